@@ -1,0 +1,71 @@
+"""autograph: transparent, safe CUDA graphs for PyTorch inference.
+
+Public API::
+
+    @autograph.graphed                        # a function or nn.Module.forward
+    @autograph.graphed(warmup=2, max_graphs=32)
+    model = autograph.graphed(model)          # a module instance, transparently
+    autograph.stats()                         # what happened, per graphed callable
+    autograph.reset(obj=None)                 # drop graphs by hand
+    with autograph.disabled(): ...            # eager everywhere (also AUTOGRAPH_DISABLE=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from . import stats as _stats
+from .options import Options
+from .switch import disabled
+from .wrappers import reset, stats_of as _stats_of, wrap
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "disabled", "graphed", "reset", "stats"]
+
+F = TypeVar("F")
+
+
+@overload
+def graphed(obj: F, /) -> F: ...
+@overload
+def graphed(*, warmup: int = 2, max_graphs: int = 32) -> Callable[[F], F]: ...
+
+
+def graphed(obj: Any = None, /, *, warmup: int = 2, max_graphs: int = 32) -> Any:
+    """Run a function, method or module through CUDA graphs, one per input key.
+
+    Use it bare (``@autograph.graphed``), with keyword options
+    (``@autograph.graphed(warmup=2, max_graphs=32)``), or on a module instance
+    (``autograph.graphed(model)``, a transparent wrapper).
+
+    A call with a new key (argument structure, tensor shapes/strides/dtypes/devices,
+    non-tensor values, grad/inference/autocast modes, ``module.training``) runs
+    ``warmup`` times eagerly, is then captured, and later calls replay the graph.
+    Calls that cannot be graphed safely (CPU inputs, autograd recording, a capture
+    error, ...) run eagerly and are counted in :func:`stats` with the reason.
+
+    Args:
+        warmup: eager runs of a new key before its capture (default 2, at least 0).
+        max_graphs: graphs kept per callable; past it the least recently used are
+            freed (default 32).
+    """
+    options = Options(warmup=warmup, max_graphs=max_graphs)
+    if obj is None:
+        return lambda target: wrap(target, options)
+    return wrap(obj, options)
+
+
+def stats(obj: Any = None) -> dict[str, Any]:
+    """Counters of every live graphed callable, keyed by a readable name; or, given a
+    graphed function, wrapper or module whose forward is graphed, the counters of that
+    one callable.
+
+    Each value holds ``calls``, ``replays``, ``captures``, ``eager`` (calls run
+    eagerly) with ``eager_reasons`` (reason -> count), ``graphs`` (live),
+    ``graph_memory_bytes`` (measured at capture), ``capture_seconds``, ``evictions``
+    and ``invalidations``.  ``calls == replays + captures + eager``.
+    """
+    if obj is not None:
+        return _stats_of(obj)
+    return _stats.collect()

@@ -1,0 +1,142 @@
+"""Static input buffers and safe outputs.
+
+A graph reads its inputs from fixed addresses.  Arguments the function only reads are
+copied into private static buffers before each replay, in one batched copy; arguments
+it writes in place are captured at the caller's own address and never copied (see
+``mutation``).  Outputs living in the graph's pool are cloned out, so an output kept by
+the caller is never overwritten by a later replay; outputs that alias an argument are
+rebuilt as the same view of the caller's tensor, as eager mode would return them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .mutation import storage_ptr
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+class StaticInputs:
+    """The private buffers that stand for the read-only tensor arguments of one graph."""
+
+    __slots__ = ("positions", "buffers", "_single")
+
+    def __init__(self, leaves: list[Any], positions: list[int]) -> None:
+        self.positions = positions
+        self.buffers = [_static_like(leaves[i]) for i in positions]
+        self._single = len(positions) == 1
+
+    def substitute(self, leaves: list[Any]) -> list[Any]:
+        """The leaves with the static buffers in place of the copied arguments."""
+        out = list(leaves)
+        for i, buf in zip(self.positions, self.buffers):
+            out[i] = buf
+        return out
+
+    def copy_in(self, leaves: list[Any]) -> None:
+        """Copy the caller's arguments into the buffers, in one batched copy."""
+        if self._single:
+            self.buffers[0].copy_(leaves[self.positions[0]])
+        elif self.positions:
+            src = [leaves[i] for i in self.positions]
+            if _foreach_copy is not None:
+                _foreach_copy(self.buffers, src)
+            else:  # pragma: no cover - torch without _foreach_copy_
+                for dst, s in zip(self.buffers, src):
+                    dst.copy_(s)
+
+    def differing(self, leaves: list[Any]) -> list[int]:
+        """Positions whose buffer no longer equals the caller's tensor (written by the
+        graph although no operator declared the write)."""
+        return [
+            i for i, buf in zip(self.positions, self.buffers) if not torch.equal(buf, leaves[i])
+        ]
+
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self.buffers)
+
+
+def _static_like(t: torch.Tensor) -> torch.Tensor:
+    # clone keeps the strides of a dense tensor and makes overlapping ones contiguous
+    with torch.no_grad():
+        return t.detach().clone()
+
+
+def output_builder(
+    output: Any,
+    leaves: list[Any],
+    static: StaticInputs,
+    inplace: tuple[int, ...],
+    persistent: set[int],
+) -> Callable[[list[Any]], Any]:
+    """A function from the call's leaves to the call's result, made at capture.
+
+    Each tensor of ``output`` is classified once:
+    * a view of an argument (static buffer or in-place) becomes the same view of the
+      caller's tensor for that argument;
+    * a tensor that outlives the graph (a parameter, buffer or global, in
+      ``persistent``) is returned as it is;
+    * anything else lives in the graph pool and is cloned on every call.
+    """
+    flat, spec = pytree.tree_flatten(output)
+    arg_storage: dict[int, tuple[int, torch.Tensor]] = {}
+    for i, buf in zip(static.positions, static.buffers):
+        if _same_geometry(buf, leaves[i]):
+            arg_storage[storage_ptr(buf)] = (i, buf)
+    for i in inplace:
+        arg_storage[storage_ptr(leaves[i])] = (i, leaves[i])
+
+    makers: list[Callable[[list[Any]], Any]] = []
+    for value in flat:
+        makers.append(_leaf_maker(value, arg_storage, persistent))
+
+    if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and _is_clone(makers[0]):
+        out0 = flat[0]
+        return lambda _leaves: out0.clone()
+
+    def build(call_leaves: list[Any]) -> Any:
+        return pytree.tree_unflatten([make(call_leaves) for make in makers], spec)
+
+    return build
+
+
+def _is_clone(maker: Callable[..., Any]) -> bool:
+    return getattr(maker, "_clone", False)
+
+
+def _leaf_maker(
+    value: Any, arg_storage: dict[int, tuple[int, torch.Tensor]], persistent: set[int]
+) -> Callable[[list[Any]], Any]:
+    if not isinstance(value, torch.Tensor):
+        return lambda _leaves: value
+    ptr = storage_ptr(value)
+    if ptr in arg_storage:
+        i, base = arg_storage[ptr]
+        offset = value.storage_offset() - base.storage_offset()
+        size, stride = value.shape, value.stride()
+        whole = size == base.shape and stride == base.stride() and offset == 0
+
+        def view(leaves: list[Any]) -> torch.Tensor:
+            arg = leaves[i]
+            if whole:
+                return arg  # type: ignore[no-any-return]
+            return arg.as_strided(size, stride, arg.storage_offset() + offset)
+
+        return view
+    if ptr in persistent:
+        return lambda _leaves: value
+
+    def clone(_leaves: list[Any]) -> torch.Tensor:
+        return value.clone()
+
+    clone._clone = True  # type: ignore[attr-defined]
+    return clone
+
+
+def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride()

@@ -1,0 +1,329 @@
+"""The engine behind every graphed callable: one dict of entries, warmup, capture, replay.
+
+Each call is keyed (``keys``); a new key runs ``warmup`` times eagerly on the capture
+stream, is then captured into the device's shared pool, and later calls with that key
+replay it.  Anything that cannot be graphed safely runs eagerly, counted with its
+reason.  The replay path is short on purpose: guard check, key, one batched copy,
+replay, clone out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import capture as _capture
+from .buffers import StaticInputs, output_builder
+from .guards import Watch, running
+from .keys import Flat, Uncapturable, call_device, flatten, make_key, mode_key
+from .mutation import WriteRecorder, watch_map
+from .options import Options
+from .stats import Stats
+from .switch import is_disabled
+
+logger = logging.getLogger("autograph")
+
+# Warmups and captures are serialized process-wide: capture must not interleave with
+# another capture into the same pool, and it keeps warmup and capture on one stream.
+_capture_lock = threading.RLock()
+_local = threading.local()
+
+WARMING, READY, EAGER = 0, 1, 2
+
+
+class Entry:
+    """One key of one callable: warming up, ready to replay, or eager for a reason."""
+
+    __slots__ = (
+        "state", "runs", "reason", "graph", "static", "build", "pool", "nbytes", "device",
+        "backend",
+    )
+
+    def __init__(self) -> None:
+        self.state = WARMING
+        self.runs = 0
+        self.reason = ""
+        self.graph: Any = None
+        self.static: StaticInputs | None = None
+        self.build: Callable[[list[Any]], Any] | None = None
+        self.pool: _capture.Pool | None = None
+        self.nbytes = 0
+        self.device: torch.device | None = None
+        self.backend: Any = None
+
+
+class Engine:
+    """Graphs of one callable (a function, or one module instance's forward).
+
+    ``fn`` is called as ``fn(*args, **kwargs)``.  ``watch`` guards the Python state the
+    graphs bake in; ``training`` returns the module's training flag (or None).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        options: Options,
+        stats: Stats,
+        watch: Watch,
+        training: Callable[[], bool | None],
+    ) -> None:
+        self.fn = fn
+        self.options = options
+        self.stats = stats
+        self.watch = watch
+        self.training = training
+        self.entries: OrderedDict[Any, Entry] = OrderedDict()
+        self.inplace: dict[Any, tuple[int, ...]] = {}
+        self.lock = threading.Lock()
+
+    # -- the call ------------------------------------------------------------------
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        stats = self.stats
+        stats.calls += 1
+        if is_disabled():
+            stats.count_eager("disabled", warn=False)
+            return self.fn(*args, **kwargs)
+        try:
+            flat, base, device, backend = self._key(args, kwargs)
+        except Uncapturable as exc:
+            stats.count_eager(str(exc))
+            return self._eager(args, kwargs)
+        inplace = self.inplace.get(base)
+        key = base if not inplace else (base, tuple([flat.leaves[i].data_ptr() for i in inplace]))
+        entry = self.entries.get(key)
+        if entry is not None and entry.state == READY:
+            return self._replay(key, entry, flat)
+        if entry is None:
+            entry = self._new_entry(key)
+        if entry.state == EAGER:
+            stats.count_eager(entry.reason)
+            return self._eager(args, kwargs)
+        if entry.runs < self.options.warmup:
+            return self._warm(key, base, entry, flat, device, backend)
+        return self._capture(key, base, entry, flat, device, backend)
+
+    def _key(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Flat, Any, torch.device, _capture.Backend]:
+        """Key the call, or raise Uncapturable with the reason it must run eagerly."""
+        if getattr(_local, "warming", 0):
+            raise Uncapturable("called inside another graphed call's warmup or capture")
+        flat = flatten(args, kwargs)
+        device = call_device(flat)
+        if device is None:
+            raise Uncapturable("no tensor arguments")
+        backend = _capture.backend_for(device)
+        if backend is None:
+            raise Uncapturable(f"inputs on {device.type}, not on a device that can be graphed")
+        if backend.is_capturing(device):
+            raise Uncapturable("called while the current stream is capturing")
+        watch = self.watch
+        if not watch.ok():
+            if watch.stale:
+                watch.refresh()
+            else:
+                self._invalidate()
+        modes = mode_key(device.type)
+        if modes[0] and self._autograd_records(flat):
+            raise Uncapturable("autograd would record this call (use torch.no_grad())")
+        if watch.hook_reason:
+            raise Uncapturable(watch.hook_reason)
+        return flat, make_key(flat, (modes, self.training())), device, backend
+
+    def _autograd_records(self, flat: Flat) -> bool:
+        leaves = flat.leaves
+        if any(leaves[i].requires_grad for i in flat.tensor_pos):
+            return True
+        return any(t.requires_grad for t in self.watch.tensors())
+
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with running(self.watch):
+            return self.fn(*args, **kwargs)
+
+    # -- entries ---------------------------------------------------------------------
+    def _new_entry(self, key: Any) -> Entry:
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = Entry()
+                self._trim()
+            return entry
+
+    def _trim(self) -> None:
+        """Evict least recently used entries: ready graphs past ``max_graphs``, and any
+        entries past a bound that keeps ever-new keys from growing the dict."""
+        limit = self.options.max_graphs
+        ready = [k for k, e in self.entries.items() if e.state == READY]
+        for k in ready[: max(0, len(ready) - limit)]:
+            self._drop(k)
+            self.stats.evictions += 1
+        excess = len(self.entries) - 8 * limit - 64
+        if excess > 0:
+            for k in list(self.entries)[:excess]:
+                self._drop(k)
+
+    def _drop(self, key: Any) -> None:
+        entry = self.entries.pop(key)
+        if entry.state == READY:
+            self.stats.graphs -= 1
+            self.stats.graph_bytes -= entry.nbytes
+            entry.graph = entry.static = entry.build = None
+
+    def _rekey(self, key: Any, base: Any, entry: Entry, flat: Flat, inplace: set[int]) -> None:
+        """Arguments at ``inplace`` are written by the function: key them by address."""
+        with self.lock:
+            positions = tuple(sorted(set(self.inplace.get(base, ())) | inplace))
+            self.inplace[base] = positions
+            self.entries.pop(key, None)
+            new_key = (base, tuple([flat.leaves[i].data_ptr() for i in positions]))
+            self.entries[new_key] = entry
+            entry.state = WARMING
+
+    def reset(self) -> None:
+        """Drop every graph and forget what was learned about the arguments."""
+        with self.lock:
+            for key in list(self.entries):
+                self._drop(key)
+            self.inplace.clear()
+            self.watch.stale = True
+
+    def _invalidate(self) -> None:
+        self.stats.invalidations += 1
+        logger.debug("%s: module state changed, dropping %d graphs", self.stats.name,
+                     self.stats.graphs)
+        self.reset()
+        self.watch.refresh()
+
+    # -- warmup --------------------------------------------------------------------
+    def _warm(self, key: Any, base: Any, entry: Entry, flat: Flat, device: torch.device,
+              backend: _capture.Backend) -> Any:
+        args, kwargs = flat.rebuild(flat.leaves)
+        recorder = WriteRecorder(watch_map(flat.leaves, flat.tensor_pos)) if entry.runs == 0 \
+            else None
+        watch = self.watch
+        watch.assigned = None
+        with _capture_lock, _warming(), running(watch), backend.warmup(device):
+            if recorder is not None:
+                with recorder:
+                    out = self.fn(*args, **kwargs)
+            else:
+                out = self.fn(*args, **kwargs)
+        backend.after_warmup(device, out)
+        entry.runs += 1
+        self.stats.count_eager("warmup", warn=False)
+        if watch.assigned:
+            self._give_up(entry, f"forward assigns module attribute {watch.assigned}")
+        elif recorder is not None and recorder.written:
+            self._rekey(key, base, entry, flat, recorder.written)
+        return out
+
+    def _give_up(self, entry: Entry, reason: str) -> None:
+        entry.state = EAGER
+        entry.reason = reason
+
+    # -- capture -------------------------------------------------------------------
+    def _capture(self, key: Any, base: Any, entry: Entry, flat: Flat, device: torch.device,
+                 backend: _capture.Backend) -> Any:
+        leaves = flat.leaves
+        stats = self.stats
+        with _capture_lock:
+            if entry.state == READY:  # another thread captured it meanwhile
+                return self._replay(key, entry, flat)
+            inplace = self.inplace.get(base, ())
+            copied = [i for i in flat.tensor_pos if i not in inplace]
+            watch = self.watch
+            watch.assigned = None
+            before = backend.memory_reserved(device)
+            start = time.perf_counter()
+            static = StaticInputs(leaves, copied)
+            args, kwargs = flat.rebuild(static.substitute(leaves))
+            recorder = WriteRecorder(watch_map(static.substitute(leaves), tuple(copied)))
+            try:
+                with _warming(), running(watch), recorder:
+                    graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
+            except Exception as exc:  # noqa: BLE001 - any capture problem means eager
+                return self._capture_failed(entry, flat, exc)
+            if watch.assigned:
+                self._give_up(entry, f"forward assigns module attribute {watch.assigned}")
+                stats.count_eager(entry.reason)
+                return self._eager(*flat.rebuild(leaves))
+            if recorder.written:
+                self._rekey(key, base, entry, flat, recorder.written)
+                stats.count_eager("argument written in place: capturing it at its address",
+                                  warn=False)
+                return self._eager(*flat.rebuild(leaves))
+            entry.graph, entry.static, entry.device = graph, static, device
+            entry.backend, entry.pool = backend, backend.pool(device)
+            entry.build = output_builder(out, leaves, static, inplace, watch.storage_ptrs())
+            result = self._run_graph(backend, entry, leaves)
+            missed = static.differing(leaves)
+            if missed:
+                # written by something no operator declared (a raw kernel): hand the
+                # caller its write now, capture that argument in place next time
+                with torch.inference_mode():
+                    for i, buf in zip(static.positions, static.buffers):
+                        if i in missed:
+                            leaves[i].copy_(buf)
+                self._rekey(key, base, entry, flat, set(missed))
+                entry.graph = entry.static = entry.build = None
+                stats.count_eager("argument written in place: capturing it at its address",
+                                  warn=False)
+                return result
+            seconds = time.perf_counter() - start
+            entry.nbytes = max(0, backend.memory_reserved(device) - before) + static.nbytes()
+            with self.lock:
+                entry.state = READY
+                stats.captures += 1
+                stats.graphs += 1
+                stats.capture_seconds += seconds
+                stats.graph_bytes += entry.nbytes
+                self._trim()
+        logger.debug("%s: captured graph %d in %.1f ms, %d bytes", stats.name,
+                     stats.captures, seconds * 1e3, entry.nbytes)
+        return result
+
+    def _capture_failed(self, entry: Entry, flat: Flat, exc: Exception) -> Any:
+        """Run the call eagerly; if eager succeeds, the key stays eager for good."""
+        out = self._eager(*flat.rebuild(flat.leaves))  # the user's own error propagates
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = f"capture failed: {type(exc).__name__}: {first}"[:200]
+        self._give_up(entry, reason)
+        self.stats.count_eager(reason)
+        return out
+
+    # -- replay --------------------------------------------------------------------
+    def _replay(self, key: Any, entry: Entry, flat: Flat) -> Any:
+        result = self._run_graph(entry.backend, entry, flat.leaves)
+        self.stats.replays += 1
+        try:
+            self.entries.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread
+            pass
+        return result
+
+    @staticmethod
+    def _run_graph(backend: _capture.Backend, entry: Entry, leaves: list[Any]) -> Any:
+        pool = entry.pool
+        with pool.lock:  # type: ignore[union-attr]
+            backend.order_replay(entry.device, pool)  # type: ignore[arg-type]
+            entry.static.copy_in(leaves)  # type: ignore[union-attr]
+            entry.graph.replay()
+            return entry.build(leaves)  # type: ignore[misc]
+
+
+class _warming:
+    """Marks this thread as inside a warmup or capture: nested graphed calls run eagerly."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _local.warming = getattr(_local, "warming", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _local.warming -= 1

@@ -1,0 +1,305 @@
+"""Python state a captured graph bakes in, and how autograph notices it change.
+
+A graph reads parameters and buffers at the addresses they had at capture, and it
+replays the Python decisions (attribute values, flags, which submodule is called) that
+were taken while it was captured.  A :class:`Watch` guards one graphed callable:
+
+* Parameters, buffers and tensors reached through globals and closures are checked on
+  every call by address (one pass over the module's ``_parameters``/``_buffers``
+  entries).  ``model.half()``, ``param.data = ...``, a new ``nn.Parameter`` or a
+  ``.to()`` all change an address, so the graphs are dropped and recaptured.  In-place
+  updates (``load_state_dict``, an optimizer step) keep addresses and are simply seen
+  by the next replay.
+* Attribute assignment on any module of the watched trees (a float scale, a flag, a
+  swapped submodule) is reported by a hook on ``nn.Module.__setattr__``/``__delattr__``
+  (installed when the first module is watched) and by torch's global registration
+  hooks; it marks the watch dirty.  An assignment made *by the forward itself* while
+  autograph runs it is reported instead, so that key runs eagerly.
+* Modules, tensors and plain scalars named by the function's globals and closure cells
+  are re-read on every call and compared with what they were at capture.
+
+What cannot be seen: state reached through other objects (``self.config.scale``),
+globals read by helper functions, writes straight into ``module.__dict__`` or into
+``_parameters`` at the same address with another shape, and hooks registered after a
+capture.  ``reset()`` drops a callable's graphs by hand.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+_Module = nn.Module
+_SCALARS = (bool, int, float, str, type(None))
+_MISSING = object()
+_ptr = torch.Tensor.data_ptr
+_getitem = operator.getitem
+
+# id(module) -> the watches whose trees contain it
+_watched: dict[int, weakref.WeakSet[Watch]] = {}
+_watched_lock = threading.Lock()
+_installed = False
+_local = threading.local()
+
+
+class Watch:
+    """Guards the Python-side state of one graphed callable."""
+
+    def __init__(self, roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
+                 hooks_of_roots: bool) -> None:
+        self._roots = roots
+        self._code = code
+        self._hooks_of_roots = hooks_of_roots
+        self.stale = True
+        self.dirty = False
+        self.assigned: str | None = None
+        self.hook_reason: str | None = None
+        self._holders: list[Any] = []
+        self._names: list[Any] = []
+        self._ptrs: list[int] = []
+        self._refs: list[tuple[Callable[[], Any], Any]] = []
+        self._ids: list[int] = []
+        self.__weakref__: Any
+
+    # -- building -----------------------------------------------------------------
+    def refresh(self) -> None:
+        """Enumerate the watched state anew (after creation or an invalidation)."""
+        _install()
+        self._unregister()
+        refs = _code_refs(self._code) if self._code is not None else []
+        roots = list(self._roots()) + [v for get, v in refs if isinstance(v, _Module)]
+        modules: dict[int, nn.Module] = {}
+        for root in roots:
+            for m in root.modules():
+                modules.setdefault(id(m), m)
+        holders, names = [], []
+        for m in modules.values():
+            for d in (m._parameters, m._buffers):
+                for name, t in d.items():
+                    if t is not None:
+                        holders.append(d)
+                        names.append(name)
+        self._holders, self._names = holders, names
+        self._refs = refs
+        self._ptrs = self._current_ptrs()
+        self.hook_reason = _hooks_reason(
+            list(modules.values()), roots if not self._hooks_of_roots else []
+        )
+        self._register(list(modules))
+        self.dirty = False
+        self.stale = False
+
+    def _current_ptrs(self) -> list[int]:
+        return list(map(_ptr, map(_getitem, self._holders, self._names)))
+
+    # -- the per-call check --------------------------------------------------------
+    def ok(self) -> bool:
+        """True while nothing a graph baked in has changed."""
+        if self.dirty or self.stale:
+            return False
+        try:
+            if self._current_ptrs() != self._ptrs:
+                return False
+        except (KeyError, TypeError, AttributeError):
+            return False
+        for get, value in self._refs:
+            if not _same(get(), value):
+                return False
+        return True
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """The parameters and buffers of the watched trees."""
+        return map(_getitem, self._holders, self._names)
+
+    def storage_ptrs(self) -> set[int]:
+        out = {t.untyped_storage().data_ptr() for t in self.tensors()}
+        out.update(
+            v.untyped_storage().data_ptr() for _, v in self._refs if isinstance(v, torch.Tensor)
+        )
+        return out
+
+    # -- assignment hook plumbing ----------------------------------------------------
+    def _register(self, ids: list[int]) -> None:
+        """Watch these module ids (ids, not modules: the watch must not keep them alive)."""
+        with _watched_lock:
+            self._ids = ids
+            for i in self._ids:
+                _watched.setdefault(i, weakref.WeakSet()).add(self)
+
+    def _unregister(self) -> None:
+        with _watched_lock:
+            for i in self._ids:
+                ws = _watched.get(i)
+                if ws is not None:
+                    ws.discard(self)
+                    if not ws:
+                        del _watched[i]
+            self._ids = []
+
+    def close(self) -> None:
+        self._unregister()
+
+    def _on_assign(self, module: nn.Module, name: str) -> None:
+        if self in getattr(_local, "running", ()):
+            self.assigned = f"{type(module).__name__}.{name}"
+        else:
+            self.dirty = True
+
+
+class running:
+    """Marks ``watch`` as running its forward in this thread (for the assignment hook)."""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: Watch) -> None:
+        self.watch = watch
+
+    def __enter__(self) -> None:
+        stack = getattr(_local, "running", None)
+        if stack is None:
+            stack = _local.running = []
+        stack.append(self.watch)
+
+    def __exit__(self, *exc: object) -> None:
+        _local.running.pop()
+
+
+def _same(now: Any, then: Any) -> bool:
+    if now is then:
+        return True
+    if isinstance(then, _SCALARS) and type(now) is type(then):
+        return bool(now == then)
+    return False
+
+
+def _code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the modules, tensors and scalars that ``fn`` names in its globals
+    and closure cells, with their current values."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    out: list[tuple[Callable[[], Any], Any]] = []
+    glb = getattr(fn, "__globals__", {})
+    for name in sorted(_global_names(code)):
+        value = glb.get(name, _MISSING)
+        if _trackable(value):
+            out.append((_global_getter(glb, name), value))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        if _trackable(value):
+            out.append((_cell_getter(cell), value))
+    return out
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _trackable(value: Any) -> bool:
+    return isinstance(value, (_Module, torch.Tensor)) or (
+        isinstance(value, _SCALARS) and value is not None
+    )
+
+
+def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:
+    return lambda: glb.get(name, _MISSING)
+
+
+def _cell_getter(cell: Any) -> Callable[[], Any]:
+    def get() -> Any:
+        try:
+            return cell.cell_contents
+        except ValueError:
+            return _MISSING
+
+    return get
+
+
+def _hooks_reason(modules: list[nn.Module], outside: list[nn.Module]) -> str | None:
+    """Why module hooks forbid capture: a hook's Python side effects would not replay."""
+    skip = {id(m) for m in outside}
+    from torch.nn.modules import module as mm
+
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks"):
+        if getattr(mm, name, None):
+            return "global module forward hooks are registered"
+    for m in modules:
+        if id(m) in skip:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"{type(m).__name__} has forward hooks"
+    return None
+
+
+# -- the hooks on nn.Module -----------------------------------------------------------
+def _changes(module: nn.Module, name: str, value: Any) -> bool:
+    d = module.__dict__
+    old = d.get(name, _MISSING)
+    if old is _MISSING:
+        for holder in ("_parameters", "_buffers", "_modules"):
+            inner = d.get(holder)
+            if inner is not None and name in inner:
+                old = inner[name]
+                break
+    return not _same(value, old)
+
+
+def _notify(module: nn.Module, name: str) -> None:
+    ws = _watched.get(id(module))
+    if ws:
+        for watch in list(ws):
+            watch._on_assign(module, name)
+
+
+def _install() -> None:
+    """Install the assignment hooks once, the first time a module is watched."""
+    global _installed
+    if _installed:
+        return
+    with _watched_lock:
+        if _installed:
+            return
+        original_set = _Module.__setattr__
+        original_del = _Module.__delattr__
+
+        def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+            if id(self) in _watched and _changes(self, name, value):
+                _notify(self, name)
+            original_set(self, name, value)
+
+        def __delattr__(self: nn.Module, name: str) -> None:
+            if id(self) in _watched:
+                _notify(self, name)
+            original_del(self, name)
+
+        __setattr__.__wrapped__ = original_set  # type: ignore[attr-defined]
+        __delattr__.__wrapped__ = original_del  # type: ignore[attr-defined]
+        _Module.__setattr__ = __setattr__  # type: ignore[method-assign]
+        _Module.__delattr__ = __delattr__  # type: ignore[method-assign]
+
+        from torch.nn.modules import module as mm
+
+        def registered(module: nn.Module, name: str, value: Any) -> None:
+            if id(module) in _watched:
+                _notify(module, name)
+
+        for hook in ("parameter", "buffer", "module"):
+            register = getattr(mm, f"register_module_{hook}_registration_hook", None)
+            if register is not None:
+                register(registered)
+        _installed = True

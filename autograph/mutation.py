@@ -1,0 +1,68 @@
+"""Which arguments a function writes in place.
+
+A graph replays into fixed addresses.  An argument the function only reads can be
+copied into a private static buffer before each replay; an argument it *writes* (a KV
+cache updated with ``index_copy_``, a running statistic) must instead be captured in
+place, at the caller's own address, so the caller sees the write and no copy of the
+whole tensor is made per call.
+
+:class:`WriteRecorder` finds those arguments by watching every ATen operator during a
+warmup run or a capture and checking its schema for written (``Tensor(a!)``) arguments.
+Writes it cannot see (a raw Triton kernel, a graph replayed inside the call) are caught
+after capture by comparing the static buffers with the caller's tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class WriteRecorder(TorchDispatchMode):
+    """Records which of the watched storages an operator writes.
+
+    ``watched`` maps a storage address to the argument positions that live in it;
+    after the run, ``written`` holds the positions whose storage was written.
+    """
+
+    def __init__(self, watched: dict[int, list[int]]) -> None:
+        super().__init__()
+        self.watched = watched
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.watched:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                self._note(value)
+        return func(*args, **kwargs)
+
+    def _note(self, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            positions = self.watched.get(storage_ptr(value))
+            if positions:
+                self.written.update(positions)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                self._note(v)
+
+
+def watch_map(leaves: list[Any], positions: tuple[int, ...]) -> dict[int, list[int]]:
+    """Storage address -> argument positions, for the tensor leaves at ``positions``."""
+    watched: dict[int, list[int]] = {}
+    for i in positions:
+        t = leaves[i]
+        if t.numel():
+            watched.setdefault(storage_ptr(t), []).append(i)
+    return watched

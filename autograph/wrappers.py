@@ -1,0 +1,238 @@
+"""The user-facing wrappers: a decorated function or method, and a wrapped module.
+
+Both are ``wrapt`` proxies, so names, docstrings, signatures, ``inspect`` and
+``isinstance`` behave as on the original.  A method (``nn.Module.forward`` decorated in
+the class body) gets one engine per instance, held weakly: a garbage-collected module
+takes its graphs with it.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import wrapt
+from torch import nn
+
+from . import stats as _stats
+from .engine import Engine
+from .guards import Watch
+from .options import Options
+
+# every live engine, for autograph.reset()
+_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _make_engine(fn: Callable[..., Any], options: Options, name: str,
+                 roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
+                 hooks_of_roots: bool, training: Callable[[], bool | None]) -> Engine:
+    stats = _stats.register(name)
+    engine = Engine(fn, options, stats, Watch(roots, code, hooks_of_roots), training)
+    _engines.add(engine)
+    return engine
+
+
+def _no_training() -> None:
+    return None
+
+
+class _Dispatch:
+    """The wrapt wrapper function: finds the engine for the call and runs it."""
+
+    def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+        self.fn = fn
+        self.options = options
+        self.engine: Engine | None = None
+        self.instances: dict[int, tuple[weakref.ref[Any], Engine]] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        if instance is None or isinstance(instance, type):
+            engine = self.engine
+            if engine is None:
+                engine = self._function_engine(wrapped)
+            return engine(args, kwargs)
+        item = self.instances.get(id(instance))
+        if item is None or item[0]() is not instance:
+            item = self._instance_engine(instance)
+        return item[1](args, kwargs)
+
+    def _function_engine(self, wrapped: Callable[..., Any]) -> Engine:
+        with self.lock:
+            if self.engine is None:
+                name = getattr(self.fn, "__qualname__", repr(self.fn))
+                self.engine = _make_engine(wrapped, self.options, name, list, self.fn,
+                                           False, _no_training)
+            return self.engine
+
+    def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Engine]:
+        key = id(instance)
+        instances = self.instances
+
+        def forget(_ref: Any) -> None:
+            item = instances.get(key)
+            if item is not None and item[0] is _ref:
+                del instances[key]
+                item[1].watch.close()
+
+        ref = weakref.ref(instance, forget)
+        fn = self.fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return fn(ref(), *args, **kwargs)
+
+        is_module = isinstance(instance, nn.Module)
+
+        def roots() -> list[nn.Module]:
+            obj = ref()
+            return [obj] if is_module and obj is not None else []
+
+        def training() -> bool | None:
+            return ref().training if is_module else None  # type: ignore[union-attr]
+
+        name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
+        engine = _make_engine(call, self.options, name, roots, fn, False, training)
+        with self.lock:
+            item = instances[key] = (ref, engine)
+        return item
+
+    def engines(self) -> list[Engine]:
+        out = [item[1] for item in list(self.instances.values())]
+        return out + ([self.engine] if self.engine is not None else [])
+
+
+class GraphedFunction(wrapt.FunctionWrapper):  # type: ignore[misc]
+    """A function or method whose calls run through autograph."""
+
+    def __init__(self, fn: Callable[..., Any], options: Options) -> None:
+        dispatch = _Dispatch(fn, options)
+        super().__init__(fn, dispatch)
+        self._self_dispatch = dispatch
+
+    def reset(self) -> None:
+        """Drop every graph of this function (of every instance, for a method)."""
+        for engine in self._self_dispatch.engines():
+            engine.reset()
+
+
+_RETURNS_SELF = (
+    "to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "train",
+    "eval", "requires_grad_", "apply", "to_empty", "share_memory",
+)
+
+
+class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
+    """An ``nn.Module`` whose calls run through autograph; everything else is the module.
+
+    Calling it runs the module's ``__call__`` (forward and its hooks) graphed.
+    Attributes, submodules, ``state_dict()``, ``parameters()`` and
+    ``isinstance(wrapper, type(module))`` are the module's own; methods that return the
+    module (``to``, ``half``, ``eval``, ...) return the wrapper.
+    """
+
+    def __init__(self, module: nn.Module, options: Options) -> None:
+        super().__init__(module)
+        forward = getattr(type(module), "forward", None)
+        self._self_options = options
+        self._self_engine = _make_engine(
+            module.__call__, options, type(module).__qualname__, lambda: [module], forward,
+            True, lambda: module.training,
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_engine(args, kwargs)
+
+    def reset(self) -> None:
+        """Drop every graph of this module."""
+        self._self_engine.reset()
+
+    def __repr__(self) -> str:
+        return f"autograph.graphed({self.__wrapped__!r})"
+
+    def __copy__(self) -> GraphedModule:
+        return GraphedModule(copy.copy(self.__wrapped__), self._self_options)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedModule:
+        return GraphedModule(copy.deepcopy(self.__wrapped__, memo), self._self_options)
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        return (_rewrap, (self.__wrapped__, self._self_options))
+
+
+def _returns_self(name: str) -> Callable[..., Any]:
+    def method(self: GraphedModule, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.__wrapped__, name)(*args, **kwargs)
+        return self if result is self.__wrapped__ else result
+
+    method.__name__ = name
+    method.__doc__ = f"``module.{name}(...)``, returning the wrapper instead of the module."
+    return method
+
+
+for _name in _RETURNS_SELF:
+    setattr(GraphedModule, _name, _returns_self(_name))
+
+
+def _rewrap(module: nn.Module, options: Options) -> GraphedModule:
+    return GraphedModule(module, options)
+
+
+def wrap(obj: Any, options: Options) -> Any:
+    """``graphed(obj)``: a module instance gets a proxy, a callable a function wrapper."""
+    if isinstance(obj, (GraphedModule, GraphedFunction)):
+        raise TypeError("autograph.graphed: this object is already graphed")
+    if isinstance(obj, nn.Module):
+        return GraphedModule(obj, options)
+    if isinstance(obj, (staticmethod, classmethod)) or callable(obj):
+        return GraphedFunction(obj, options)
+    raise TypeError(
+        f"autograph.graphed expects a function, a method or an nn.Module instance, "
+        f"got {type(obj).__qualname__}"
+    )
+
+
+def _engines_of(obj: Any) -> list[Engine]:
+    if isinstance(obj, GraphedModule):
+        return [obj._self_engine]
+    if isinstance(obj, GraphedFunction):
+        return obj._self_dispatch.engines()
+    return [e for e in list(_engines) if any(r is obj for r in e.watch._roots())]
+
+
+def stats_of(obj: Any) -> dict[str, Any]:
+    """The counters of one graphed object (summed over instances for a method)."""
+    engines = _engines_of(obj)
+    if not engines:
+        if isinstance(obj, GraphedFunction):  # not called yet
+            return _stats.Stats("").snapshot()
+        raise TypeError(f"autograph.stats: {type(obj).__qualname__} is not graphed")
+    if len(engines) == 1:
+        return engines[0].stats.snapshot()
+    total: dict[str, Any] = {}
+    for engine in engines:
+        for k, v in engine.stats.snapshot().items():
+            if isinstance(v, dict):
+                merged = total.setdefault(k, {})
+                for r, n in v.items():
+                    merged[r] = merged.get(r, 0) + n
+            else:
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def reset(obj: Any = None) -> None:
+    """Drop graphs: of ``obj`` (a graphed function, module, or a module whose forward is
+    graphed), or of every graphed callable when ``obj`` is None."""
+    if obj is None:
+        for engine in list(_engines):
+            engine.reset()
+        return
+    engines = _engines_of(obj)
+    if not engines and not isinstance(obj, GraphedFunction):
+        raise TypeError(f"autograph.reset: {type(obj).__qualname__} is not graphed")
+    for engine in engines:
+        engine.reset()

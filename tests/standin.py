@@ -1,0 +1,151 @@
+"""A CPU stand-in for CUDA graphs, so CI can test autograph's orchestration.
+
+Capture records every ATen operator the function runs, with the very tensors it ran
+on; replay runs the recorded operators again on those same tensors and writes each
+result into the tensor recorded at capture.  Like a real graph, a replay therefore
+reads only the buffers captured (a forgotten copy-in shows stale data), replays the
+Python decisions taken at capture (attribute values are baked in), and overwrites its
+outputs in place.  Like a real capture, capturing executes no writes (in-place
+operators run on scratch copies) and host synchronizations such as ``.item()`` fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autograph.capture import Pool
+
+T = TypeVar("T")
+aten = torch.ops.aten
+
+# operators that need the host to wait for the device: not allowed during capture
+HOST_SYNCS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.masked_select.default,
+}
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+        self.nbytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in HOST_SYNCS:
+            raise CaptureError(f"{func} is not permitted while the stream is capturing")
+        written = _written_args(func, args, kwargs)
+        if written:
+            # a capture executes nothing: run the write on scratch copies
+            scratch = {id(t): t.clone() for t in written}
+            sargs, skwargs = pytree.tree_map(
+                lambda a: scratch.get(id(a), a) if isinstance(a, torch.Tensor) else a,
+                (args, kwargs),
+            )
+            out = func(*sargs, **skwargs)
+            back = {id(c): orig for orig, c in ((t, scratch[id(t)]) for t in written)}
+            out = pytree.tree_map(
+                lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out
+            )
+        else:
+            out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                self.nbytes += o.numel() * o.element_size()
+        return out
+
+
+def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            for t in pytree.tree_leaves(v):
+                if isinstance(t, torch.Tensor):
+                    out.append(t)
+    return out
+
+
+class RecordedGraph:
+    """Replays recorded operators on the recorded tensors."""
+
+    def __init__(self, ops: list[Any]) -> None:
+        self.ops = ops
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+            for func, args, kwargs, recorded in self.ops:
+                fresh = func(*args, **kwargs)
+                for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
+                    if isinstance(old, torch.Tensor) and _storage(old) != _storage(new):
+                        old.copy_(new)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class StandinBackend:
+    """Graphs for CPU tensors, with the contract of ``autograph.capture.CudaBackend``."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._pool = Pool()
+        self.reserved = 0
+        self.captures = 0
+        self.fail_next: BaseException | None = None
+
+    def accepts(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
+    def is_capturing(self, device: torch.device) -> bool:
+        return getattr(self._local, "capturing", False)
+
+    @contextlib.contextmanager
+    def warmup(self, device: torch.device) -> Iterator[None]:
+        yield
+
+    def after_warmup(self, device: torch.device, output: Any) -> None:
+        pass
+
+    def capture(self, device: torch.device, fn: Callable[[], T]) -> tuple[RecordedGraph, T]:
+        recorder = _Recorder()
+        self._local.capturing = True
+        try:
+            with recorder:
+                if self.fail_next is not None:
+                    exc, self.fail_next = self.fail_next, None
+                    raise exc
+                out = fn()
+        finally:
+            self._local.capturing = False
+        self.captures += 1
+        self.reserved += recorder.nbytes
+        return RecordedGraph(recorder.ops), out
+
+    def memory_reserved(self, device: torch.device) -> int:
+        return self.reserved
+
+    def pool(self, device: torch.device) -> Pool:
+        return self._pool
+
+    def order_replay(self, device: torch.device, pool: Pool) -> None:
+        pass

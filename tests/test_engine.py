@@ -1,0 +1,300 @@
+"""Keys, warmup, static buffers, in-place arguments, outputs, LRU: the orchestration,
+proved on the CPU stand-in (whose replay reads only the buffers it captured)."""
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+from autograph.buffers import StaticInputs
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+def stats_of(fn):
+    return autograph.stats(fn)
+
+
+def test_warmup_then_capture_then_replay():
+    @autograph.graphed(warmup=2)
+    def f(x):
+        return x * 3 + 1
+
+    seen = []
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4)
+            assert torch.allclose(f(x), x * 3 + 1)
+            s = stats_of(f)
+            seen.append((s["eager"], s["captures"], s["replays"]))
+    assert seen == [(1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1), (2, 1, 2)]
+
+
+def test_warmup_zero_captures_first_call():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x.exp()
+
+    with torch.no_grad():
+        x = torch.randn(3)
+        assert torch.allclose(f(x), x.exp())
+    assert stats_of(f)["captures"] == 1 and stats_of(f)["eager"] == 0
+
+
+def test_standin_catches_a_forgotten_copy(monkeypatch):
+    """The stand-in is only worth its name if a missing copy-in gives wrong results."""
+    monkeypatch.setattr(StaticInputs, "copy_in", lambda self, leaves: None)
+
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x + 1
+
+    with torch.no_grad():
+        f(torch.zeros(3))
+        out = f(torch.ones(3))
+    assert torch.equal(out, torch.ones(3))  # stale: the graph read the old buffer
+
+
+def test_fresh_random_inputs_equal_eager():
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(5, 8)
+            torch.testing.assert_close(g(x), model(x))
+    assert autograph.stats(g)["replays"] == 7
+
+
+def test_outputs_are_safe_to_keep():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x * 2, {"sum": x.sum()}
+
+    with torch.no_grad():
+        a = torch.randn(4)
+        out_a, d_a = f(a)
+        b = torch.randn(4)
+        out_b, d_b = f(b)
+    assert torch.allclose(out_a, a * 2) and torch.allclose(d_a["sum"], a.sum())
+    assert torch.allclose(out_b, b * 2) and torch.allclose(d_b["sum"], b.sum())
+    assert out_a.data_ptr() != out_b.data_ptr()
+
+
+def test_one_graph_per_shape_dtype_and_value():
+    @autograph.graphed(warmup=0)
+    def f(x, k):
+        return x * k
+
+    with torch.no_grad():
+        calls = [
+            (torch.randn(2), 2), (torch.randn(3), 2), (torch.randn(2).double(), 2),
+            (torch.randn(2), 3), (torch.randn(2), 2.0), (torch.randn(2), -0.0),
+            (torch.randn(2), 0.0), (torch.randn(2).t(), True),
+        ]
+        for x, k in calls:
+            out = f(x, k)
+            torch.testing.assert_close(out, x * k)
+            assert out.dtype == (x * k).dtype
+    assert stats_of(f)["captures"] == len(calls)
+
+
+def test_strides_are_part_of_the_key():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x + 0
+
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        f(x)
+        f(x.t().contiguous().t())
+        torch.testing.assert_close(f(x.t()), x.t())
+    assert stats_of(f)["captures"] == 3
+
+
+def test_pytree_arguments_and_kwargs():
+    @autograph.graphed(warmup=1)
+    def f(xs, scale=1.0, *, extra):
+        return [x * scale for x in xs] + [extra["b"] - 1]
+
+    with torch.no_grad():
+        for _ in range(4):
+            xs = [torch.randn(2), torch.randn(3)]
+            b = torch.randn(2)
+            out = f(xs, scale=0.5, extra={"b": b})
+            torch.testing.assert_close(out, [xs[0] * 0.5, xs[1] * 0.5, b - 1])
+    s = stats_of(f)
+    assert (s["captures"], s["replays"]) == (1, 2)
+
+
+def test_unkeyable_argument_runs_eagerly():
+    class Cache:
+        def __init__(self):
+            self.step = 0
+
+    @autograph.graphed(warmup=0)
+    def f(x, cache):
+        cache.step += 1
+        return x + cache.step
+
+    c = Cache()
+    with torch.no_grad():
+        for i in range(3):
+            assert torch.equal(f(torch.zeros(1), c), torch.tensor([i + 1.0]))
+    s = stats_of(f)
+    assert s["captures"] == 0 and s["eager"] == 3
+    (reason,) = s["eager_reasons"]
+    assert "Cache" in reason and "cannot be keyed" in reason
+
+
+def test_in_place_argument_is_captured_at_its_address():
+    def step(cache, pos, value):
+        cache.index_copy_(0, pos, value)
+        return cache.sum(0)
+
+    g = autograph.graphed(step)
+    cache, ref = torch.zeros(16, 4), torch.zeros(16, 4)
+    with torch.no_grad():
+        for i in range(10):
+            pos, value = torch.tensor([i]), torch.randn(1, 4)
+            out = g(cache, pos, value)
+            expect = step(ref, pos, value)
+            torch.testing.assert_close(out, expect)
+            torch.testing.assert_close(cache, ref)
+    s = stats_of(g)
+    assert (s["captures"], s["replays"]) == (1, 7)
+    (entry,) = g._self_dispatch.engine.entries.values()
+    assert entry.static.positions == [1, 2]  # the cache itself is never copied
+
+
+def test_a_second_cache_gets_its_own_graph_and_neither_is_clobbered():
+    @autograph.graphed(warmup=1)
+    def step(cache, value):
+        cache.add_(value)
+        return cache * 1
+
+    a, b = torch.zeros(3), torch.full((3,), 10.0)
+    with torch.no_grad():
+        for _ in range(3):
+            step(a, torch.ones(3))
+            step(b, torch.ones(3))
+    assert torch.equal(a, torch.full((3,), 3.0))
+    assert torch.equal(b, torch.full((3,), 13.0))
+    assert stats_of(step)["captures"] == 2
+
+
+def test_returning_an_argument_returns_the_callers_tensor():
+    @autograph.graphed(warmup=0)
+    def f(x, cache):
+        cache.add_(1)
+        return x, x[1:], cache, x * 2
+
+    with torch.no_grad():
+        for _ in range(3):
+            x, cache = torch.randn(4), torch.zeros(2)
+            a, b, c, d = f(x, cache)
+            assert a is x and c is cache
+            assert b.data_ptr() == x[1:].data_ptr() and torch.equal(b, x[1:])
+            torch.testing.assert_close(d, x * 2)
+
+
+def test_returning_a_parameter_returns_the_parameter():
+    lin = nn.Linear(2, 2)
+
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return lin(x), lin.weight
+
+    with torch.no_grad():
+        for _ in range(3):
+            y, w = f(torch.randn(1, 2))
+            assert w is lin.weight
+
+
+def test_buffer_updated_in_forward_is_updated_on_replay():
+    class Counter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros(()))
+
+        def forward(self, x):
+            self.n.add_(1)
+            return x + self.n
+
+    m = Counter()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(6):
+            torch.testing.assert_close(g(torch.zeros(2)), torch.full((2,), i + 1.0))
+    assert m.n.item() == 6
+
+
+def test_lru_past_max_graphs():
+    @autograph.graphed(warmup=0, max_graphs=2)
+    def f(x):
+        return x + 1
+
+    with torch.no_grad():
+        f(torch.randn(1))
+        f(torch.randn(2))
+        f(torch.randn(1))  # 1 is now the most recent
+        f(torch.randn(3))  # evicts 2
+        f(torch.randn(1))
+    s = stats_of(f)
+    assert s["graphs"] == 2 and s["evictions"] == 1 and s["captures"] == 3
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 2.0))
+    assert stats_of(f)["captures"] == 4
+
+
+def test_ever_new_keys_do_not_grow_without_bound():
+    @autograph.graphed(warmup=3, max_graphs=2)
+    def f(x, k):
+        return x * k
+
+    with torch.no_grad():
+        for k in range(500):
+            f(torch.ones(1), k)
+    assert len(f._self_dispatch.engine.entries) <= 8 * 2 + 64
+
+
+def test_modes_are_part_of_the_key():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x @ x.T
+
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        a = f(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            b = f(x)
+    with torch.inference_mode():
+        c = f(x)
+    assert a.dtype == torch.float32 and b.dtype == torch.bfloat16 and c.dtype == torch.float32
+    assert stats_of(f)["captures"] == 3
+
+
+def test_training_flag_is_part_of_the_key():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+    g = autograph.graphed(m, warmup=0)
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        g.eval()
+        torch.testing.assert_close(g(x), m(x))
+        g.train()
+        y = g(x)
+    assert (y == 0).any()  # dropout active in training mode
+    assert autograph.stats(g)["captures"] == 2
+
+
+def test_capture_sees_in_place_on_view_of_argument():
+    @autograph.graphed(warmup=1)
+    def f(buf, v):
+        buf[0].copy_(v)
+        return buf[0] * 1
+
+    buf = torch.zeros(2, 3)
+    with torch.no_grad():
+        for _ in range(4):
+            v = torch.randn(3)
+            torch.testing.assert_close(f(buf, v), v)
+            torch.testing.assert_close(buf[0], v)

@@ -1,0 +1,208 @@
+"""Every way a call falls back to eager: correct result, counted reason, clean state."""
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+
+def test_host_sync_in_forward_falls_back_once(standin, caplog):
+    @autograph.graphed(warmup=1)
+    def f(x):
+        return x * x.sum().item()
+
+    caplog.set_level(logging.WARNING, logger="autograph")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3)
+            torch.testing.assert_close(f(x), x * x.sum().item())
+    s = autograph.stats(f)
+    assert s["captures"] == 0 and s["eager"] == 6
+    (reason,) = [r for r in s["eager_reasons"] if r != "warmup"]
+    assert reason.startswith("capture failed: CaptureError")
+    assert s["eager_reasons"][reason] == 5
+    assert standin.captures == 0
+    warnings = [r for r in caplog.records if "capture failed" in r.getMessage()]
+    assert len(warnings) == 1  # logged once, not per call
+    assert not standin.is_capturing(torch.device("cpu"))
+
+
+def test_capture_error_leaves_other_keys_working(standin):
+    @autograph.graphed(warmup=0)
+    def f(x):
+        if x.shape[0] == 2:
+            return x.nonzero()
+        return x + 1
+
+    with torch.no_grad():
+        f(torch.ones(2))
+        for _ in range(3):
+            torch.testing.assert_close(f(torch.ones(3)), torch.full((3,), 2.0))
+    s = autograph.stats(f)
+    assert s["captures"] == 1 and s["replays"] == 2
+
+
+@pytest.mark.parametrize("error", [MemoryError("out of memory"), RuntimeError("boom")])
+def test_failure_inside_the_backend_capture_falls_back(standin, error):
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x * 2
+
+    standin.fail_next = error
+    with torch.no_grad():
+        torch.testing.assert_close(f(torch.ones(2)), torch.full((2,), 2.0))
+    s = autograph.stats(f)
+    assert s["captures"] == 0
+    assert any(type(error).__name__ in r for r in s["eager_reasons"])
+
+
+def test_user_exception_in_warmup_propagates_unchanged(standin):
+    class Oops(Exception):
+        pass
+
+    @autograph.graphed(warmup=2)
+    def f(x, fail):
+        if fail:
+            raise Oops("user error")
+        return x + 1
+
+    with torch.no_grad():
+        with pytest.raises(Oops, match="user error"):
+            f(torch.ones(1), True)
+        for _ in range(4):
+            torch.testing.assert_close(f(torch.ones(1), False), torch.full((1,), 2.0))
+    assert autograph.stats(f)["replays"] == 1
+
+
+def test_user_exception_at_capture_propagates_and_leaves_no_entry(standin):
+    calls = {"n": 0}
+
+    @autograph.graphed(warmup=1)
+    def f(x):
+        calls["n"] += 1
+        if calls["n"] in (2, 3):  # the capture and its eager retry
+            raise ValueError("bad input")
+        return x + 1
+
+    with torch.no_grad():
+        f(torch.ones(1))
+        with pytest.raises(ValueError, match="bad input"):
+            f(torch.ones(1))
+        assert not standin.is_capturing(torch.device("cpu"))
+        for _ in range(3):
+            torch.testing.assert_close(f(torch.ones(1)), torch.full((1,), 2.0))
+    s = autograph.stats(f)
+    assert s["captures"] == 1 and s["replays"] == 2
+
+
+def test_without_a_graph_backend_everything_runs_eagerly():
+    m = nn.Linear(3, 3)
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 3)
+            torch.testing.assert_close(g(x), m(x))
+    s = autograph.stats(g)
+    assert s["eager"] == 3 and s["captures"] == 0
+    assert "inputs on cpu, not on a device that can be graphed" in s["eager_reasons"]
+
+
+def test_inputs_on_several_devices_run_eagerly(standin):
+    @autograph.graphed(warmup=0)
+    def f(x, y):
+        return x.shape[0] + y.shape[0]
+
+    assert f(torch.ones(2), torch.ones(3, device="meta")) == 5
+    assert "tensor arguments on several devices" in autograph.stats(f)["eager_reasons"]
+
+
+def test_no_tensor_arguments_run_eagerly(standin):
+    @autograph.graphed
+    def f(n):
+        return torch.arange(n)
+
+    assert torch.equal(f(3), torch.arange(3))
+    assert "no tensor arguments" in autograph.stats(f)["eager_reasons"]
+
+
+def test_nested_graphed_call_becomes_part_of_the_outer_graph(standin):
+    @autograph.graphed(warmup=0)
+    def inner(x):
+        return x * 2
+
+    @autograph.graphed(warmup=1)
+    def outer(x):
+        return inner(x) + 1
+
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3)
+            torch.testing.assert_close(outer(x), x * 2 + 1)
+    s_in, s_out = autograph.stats(inner), autograph.stats(outer)
+    assert s_out["captures"] == 1 and s_out["replays"] == 2
+    assert s_in["captures"] == 0  # it only ran inside the outer warmup and capture
+    assert s_in["calls"] == 2
+
+
+def test_kill_switch_environment(standin, monkeypatch):
+    monkeypatch.setenv("AUTOGRAPH_DISABLE", "1")
+
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x + 1
+
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(f(torch.ones(1)), torch.full((1,), 2.0))
+    assert standin.captures == 0
+    assert autograph.stats(f)["eager_reasons"] == {"disabled": 3}
+    monkeypatch.setenv("AUTOGRAPH_DISABLE", "0")
+    with torch.no_grad():
+        f(torch.ones(1))
+    assert standin.captures == 1
+
+
+def test_disabled_context_is_thread_local(standin):
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x + 1
+
+    other = {}
+
+    def in_thread():
+        with torch.no_grad():
+            f(torch.ones(4))
+        other["captures"] = standin.captures
+
+    with autograph.disabled(), torch.no_grad():
+        f(torch.ones(2))
+        assert standin.captures == 0
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join()
+    assert other["captures"] == 1
+    with torch.no_grad():
+        f(torch.ones(2))
+    assert standin.captures == 2
+
+
+def test_tensor_subclass_and_sparse_arguments_run_eagerly(standin):
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return x * 2
+
+    class Sub(torch.Tensor):
+        pass
+
+    with torch.no_grad():
+        sub = torch.ones(2).as_subclass(Sub)
+        assert torch.equal(f(sub), torch.full((2,), 2.0))
+        sp = torch.eye(2).to_sparse()
+        assert torch.equal(f(sp).to_dense(), torch.eye(2) * 2)
+    reasons = autograph.stats(f)["eager_reasons"]
+    assert "tensor subclass Sub argument" in reasons
+    assert "torch.sparse_coo tensor argument" in reasons

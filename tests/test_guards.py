@@ -1,0 +1,222 @@
+"""Python state that graphs bake in never goes stale: parameters, attributes, globals."""
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = 1.0
+        self.use_relu = False
+        self.act = nn.Identity()
+
+    def forward(self, x):
+        y = self.act(self.fc(x) * self.scale)
+        return y.relu() if self.use_relu else y
+
+
+def check(g, m, n=3):
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), m(x))
+
+
+def test_in_place_weight_updates_are_seen_without_recapture():
+    m = Scaled()
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    with torch.no_grad():
+        m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+    check(g, m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    check(g, m)
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["invalidations"] == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m.fc.weight, "data", torch.randn(4, 4)),
+        lambda m: setattr(m.fc, "weight", nn.Parameter(torch.randn(4, 4))),
+        lambda m: m.fc.register_parameter("bias", nn.Parameter(torch.randn(4))),
+        lambda m: setattr(m, "scale", 3.0),
+        lambda m: setattr(m, "use_relu", True),
+        lambda m: setattr(m, "act", nn.Tanh()),
+        lambda m: m.fc.__delattr__("bias") or m.fc.register_parameter("bias", None),
+    ],
+    ids=["data", "new-parameter", "register", "float", "flag", "submodule", "delete"],
+)
+def test_state_changes_drop_graphs(change):
+    m = Scaled()
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    change(m)
+    check(g, m, 4)
+    s = autograph.stats(g)
+    assert s["invalidations"] == 1 and s["captures"] == 2
+
+
+def test_dtype_change_recaptures():
+    m = Scaled()
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    g.double()
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4, dtype=torch.float64)
+            out = g(x)
+            assert out.dtype == torch.float64
+            torch.testing.assert_close(out, m(x))
+    assert autograph.stats(g)["invalidations"] == 1
+
+
+def test_buffer_replaced_by_apply_is_seen():
+    m = nn.BatchNorm1d(4).eval()
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    m._apply(lambda t: t * 2 if t.dtype.is_floating_point else t)  # new buffer objects
+    check(g, m, 4)
+    assert autograph.stats(g)["invalidations"] == 1
+
+
+def test_same_value_assignment_keeps_graphs():
+    m = Scaled()
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    m.eval()
+    m.eval()
+    m.use_relu = False
+    m.scale = 1.0
+    check(g, m)
+    # eval() flipped training once: one invalidation, then nothing more
+    assert autograph.stats(g)["invalidations"] <= 1
+
+
+def test_forward_that_assigns_attributes_runs_eagerly():
+    class Stepper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.steps = 0
+
+        def forward(self, x):
+            self.steps += 1
+            return x * self.steps
+
+    m = Stepper()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(5):
+            torch.testing.assert_close(g(torch.ones(1)), torch.tensor([i + 1.0]))
+    s = autograph.stats(g)
+    assert s["captures"] == 0 and s["invalidations"] == 0
+    assert s["eager_reasons"].get("forward assigns module attribute Stepper.steps", 0) >= 3
+
+
+def test_modules_and_tensors_in_globals_and_closures_are_tracked():
+    lin = nn.Linear(3, 3)
+    bias = torch.randn(3)
+    k = 2.0
+
+    @autograph.graphed
+    def f(x):
+        return lin(x) * k + bias
+
+    def expect(x):
+        return lin(x) * k + bias
+
+    def run():
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(1, 3)
+                torch.testing.assert_close(f(x), expect(x))
+
+    run()
+    lin.weight = nn.Parameter(torch.randn(3, 3))
+    run()
+    bias = torch.randn(3)  # rebinds the closure cell
+    run()
+    k = 5.0
+    run()
+    lin.weight.data = torch.randn(3, 3)
+    run()
+    assert autograph.stats(f)["invalidations"] == 4
+
+
+GLOBAL_MODEL = nn.Linear(2, 2)
+
+
+@autograph.graphed
+def uses_global(x):
+    return GLOBAL_MODEL(x)
+
+
+def test_global_module_rebinding_is_tracked():
+    global GLOBAL_MODEL
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 2)
+            torch.testing.assert_close(uses_global(x), GLOBAL_MODEL(x))
+        GLOBAL_MODEL = nn.Linear(2, 2)
+        for _ in range(3):
+            x = torch.randn(1, 2)
+            torch.testing.assert_close(uses_global(x), GLOBAL_MODEL(x))
+
+
+def test_autograd_recording_runs_eagerly_with_eager_gradients():
+    m = Scaled()
+    g = autograph.graphed(m)
+    x = torch.randn(2, 4)
+    for _ in range(4):
+        g(x).sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad()
+    for _ in range(4):
+        m(x).sum().backward()
+    for a, b in zip(grads, [p.grad for p in m.parameters()]):
+        torch.testing.assert_close(a, b)
+    s = autograph.stats(g)
+    assert s["captures"] == 0
+    assert any("autograd" in r for r in s["eager_reasons"])
+
+
+def test_grad_mode_without_anything_requiring_grad_is_graphed():
+    m = Scaled().requires_grad_(False)
+    g = autograph.graphed(m)
+    check(g, m, 4)  # check() runs under no_grad; now with grad mode on
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(g(x), m(x))
+    assert autograph.stats(g)["captures"] == 2
+
+
+def test_input_requiring_grad_runs_eagerly():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return (x * 2).sum()
+
+    x = torch.randn(3, requires_grad=True)
+    f(x).backward()
+    torch.testing.assert_close(x.grad, torch.full((3,), 2.0))
+    assert autograph.stats(f)["captures"] == 0
+
+
+def test_module_with_hooks_runs_eagerly():
+    m = Scaled()
+    seen = []
+    m.fc.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    s = autograph.stats(g)
+    assert s["captures"] == 0 and "Linear has forward hooks" in s["eager_reasons"]
+    assert len(seen) == 8

@@ -18,7 +18,8 @@ from typing import Any, TypeVar, overload
 from . import stats as _stats
 from .options import Options
 from .switch import disabled
-from .wrappers import reset, stats_of as _stats_of, wrap
+from .wrappers import reset, wrap
+from .wrappers import stats_of as _stats_of
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "disabled", "graphed", "reset", "stats"]

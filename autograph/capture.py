@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -41,12 +42,48 @@ class Pool:
     Graphs that share a pool overlap in memory, so they must never run concurrently:
     replays are serialized by ``lock``, and a replay issued on another stream than the
     previous one first waits for that stream (``last_stream``).
+
+    The allocator frees a graph pool with its last graph, after which its id must not
+    be used again.  So the pool handle is held while at least one kept graph is alive
+    (counted by finalizers, however the graph dies) and minted anew after that.
     """
 
-    def __init__(self, handle: Any = None) -> None:
-        self.handle = handle
+    def __init__(self, mint: Callable[[], Any] = lambda: None) -> None:
+        self._mint = mint
+        self._handle: Any = None
+        self._count_lock = threading.Lock()
+        self.graphs = 0
         self.lock = threading.Lock()
         self.last_stream: Any = None
+
+    def acquire(self) -> Any:
+        """The pool handle for a new capture."""
+        with self._count_lock:
+            if self._handle is None:
+                self._handle = self._mint()
+            return self._handle
+
+    def adopt(self, graph: Any) -> None:
+        """A kept graph holds the pool until it is garbage collected."""
+        with self._count_lock:
+            self.graphs += 1
+        try:
+            weakref.finalize(graph, self._release)
+        except TypeError:  # not weak-referenceable: hold the pool for good
+            pass
+
+    def _release(self) -> None:
+        with self._count_lock:
+            self.graphs -= 1
+            if self.graphs <= 0:
+                self.graphs = 0
+                self._handle = None
+
+    def settle(self) -> None:
+        """After a capture that was not kept: forget a handle that no graph holds."""
+        with self._count_lock:
+            if self.graphs == 0:
+                self._handle = None
 
 
 class Backend(Protocol):
@@ -72,7 +109,7 @@ class CudaBackend:
         return device.type == "cuda" and torch.cuda.is_available()
 
     def is_capturing(self, device: torch.device) -> bool:
-        return torch.cuda.is_current_stream_capturing()
+        return _stream_capturing()
 
     def _stream(self, index: int) -> torch.cuda.Stream:
         with self._lock:
@@ -86,7 +123,7 @@ class CudaBackend:
         pool = self._pools.get(index)
         if pool is None:
             with self._lock, torch.cuda.device(index):
-                pool = self._pools.setdefault(index, Pool(torch.cuda.graph_pool_handle()))
+                pool = self._pools.setdefault(index, Pool(_minter(index)))
         return pool
 
     @contextlib.contextmanager
@@ -123,7 +160,9 @@ class CudaBackend:
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
                 with torch.cuda.stream(side):
-                    graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
+                    graph.capture_begin(
+                        pool=_pool_id(pool.acquire()), capture_error_mode="thread_local"
+                    )
                     try:
                         output = fn()
                     except BaseException:
@@ -158,6 +197,29 @@ def _stream_of(key: tuple[int, int, int]) -> torch.cuda.Stream:
     return torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
 
 
+_stream_capturing = getattr(
+    torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing
+)
+
+
+def _minter(index: int) -> Callable[[], Any]:
+    """A new pool for device ``index``: a ``torch.cuda.MemPool`` (which keeps its pool
+    alive while we hold it) where torch has one, else a bare pool handle."""
+
+    def mint() -> Any:
+        with torch.cuda.device(index):
+            mempool = getattr(torch.cuda, "MemPool", None)
+            if mempool is not None:
+                return mempool()
+            return torch.cuda.graph_pool_handle()
+
+    return mint
+
+
+def _pool_id(handle: Any) -> Any:
+    return handle if isinstance(handle, tuple) else handle.id
+
+
 def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -169,17 +231,27 @@ def _end_quietly(graph: torch.cuda.CUDAGraph) -> None:
 
 
 _backends: list[Backend] = [CudaBackend()]
+_by_device: dict[torch.device, Backend | None] = {}
 
 
 def backend_for(device: torch.device) -> Backend | None:
     """The backend that graphs calls on ``device``, or None (then calls run eagerly)."""
-    for backend in _backends:
-        if backend.accepts(device):
-            return backend
-    return None
+    try:
+        return _by_device[device]
+    except KeyError:
+        pass
+    found = next((b for b in _backends if b.accepts(device)), None)
+    _by_device[device] = found
+    return found
 
 
 def use_backend(backend: Backend) -> Callable[[], None]:
     """Put ``backend`` first (tests use it for the CPU stand-in); returns an undo."""
     _backends.insert(0, backend)
-    return lambda: _backends.remove(backend)
+    _by_device.clear()
+
+    def undo() -> None:
+        _backends.remove(backend)
+        _by_device.clear()
+
+    return undo

@@ -19,15 +19,22 @@ from typing import Any
 import torch
 
 from . import capture as _capture
+from . import switch as _switch
 from .buffers import StaticInputs, output_builder
 from .guards import Watch, running
-from .keys import Flat, Uncapturable, call_device, flatten, make_key, mode_key
+from .keys import Flat, Uncapturable, flatten, key_leaves
 from .mutation import WriteRecorder, watch_map
 from .options import Options
 from .stats import Stats
-from .switch import is_disabled
 
 logger = logging.getLogger("autograph")
+
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch.is_inference_mode_enabled
+_autocast = torch.is_autocast_enabled
+_matmul_precision = getattr(
+    torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision
+)
 
 # Warmups and captures are serialized process-wide: capture must not interleave with
 # another capture into the same pool, and it keeps warmup and capture on one stream.
@@ -86,16 +93,19 @@ class Engine:
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         stats = self.stats
         stats.calls += 1
-        if is_disabled():
+        if _switch.maybe_disabled() and _switch.is_disabled():
             stats.count_eager("disabled", warn=False)
             return self.fn(*args, **kwargs)
         try:
-            flat, base, device, backend = self._key(args, kwargs)
+            flat, key, backend = self._key(args, kwargs)
         except Uncapturable as exc:
             stats.count_eager(str(exc))
             return self._eager(args, kwargs)
-        inplace = self.inplace.get(base)
-        key = base if not inplace else (base, tuple([flat.leaves[i].data_ptr() for i in inplace]))
+        base = key
+        if self.inplace:
+            inplace = self.inplace.get(base)
+            if inplace:
+                key = (base, tuple([flat.leaves[i].data_ptr() for i in inplace]))
         entry = self.entries.get(key)
         if entry is not None and entry.state == READY:
             return self._replay(key, entry, flat)
@@ -105,17 +115,15 @@ class Engine:
             stats.count_eager(entry.reason)
             return self._eager(args, kwargs)
         if entry.runs < self.options.warmup:
-            return self._warm(key, base, entry, flat, device, backend)
-        return self._capture(key, base, entry, flat, device, backend)
+            return self._warm(key, base, entry, flat, backend)
+        return self._capture(key, base, entry, flat, backend)
 
-    def _key(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Flat, Any, torch.device, _capture.Backend]:
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Flat, Any, Any]:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
         if getattr(_local, "warming", 0):
             raise Uncapturable("called inside another graphed call's warmup or capture")
         flat = flatten(args, kwargs)
-        device = call_device(flat)
+        parts, device = key_leaves(flat)
         if device is None:
             raise Uncapturable("no tensor arguments")
         backend = _capture.backend_for(device)
@@ -129,12 +137,14 @@ class Engine:
                 watch.refresh()
             else:
                 self._invalidate()
-        modes = mode_key(device.type)
-        if modes[0] and self._autograd_records(flat):
-            raise Uncapturable("autograd would record this call (use torch.no_grad())")
         if watch.hook_reason:
             raise Uncapturable(watch.hook_reason)
-        return flat, make_key(flat, (modes, self.training())), device, backend
+        dtype = device.type
+        modes = (_grad_enabled(), _inference_mode(),
+                 _autocast(dtype) and torch.get_autocast_dtype(dtype), _matmul_precision())
+        if modes[0] and self._autograd_records(flat):
+            raise Uncapturable("autograd would record this call (use torch.no_grad())")
+        return flat, (flat.structure, parts, modes, self.training()), backend
 
     def _autograd_records(self, flat: Flat) -> bool:
         leaves = flat.leaves
@@ -173,7 +183,7 @@ class Engine:
         if entry.state == READY:
             self.stats.graphs -= 1
             self.stats.graph_bytes -= entry.nbytes
-            entry.graph = entry.static = entry.build = None
+            entry.graph = entry.static = entry.build = None  # the pool notices the graph die
 
     def _rekey(self, key: Any, base: Any, entry: Entry, flat: Flat, inplace: set[int]) -> None:
         """Arguments at ``inplace`` are written by the function: key them by address."""
@@ -201,8 +211,9 @@ class Engine:
         self.watch.refresh()
 
     # -- warmup --------------------------------------------------------------------
-    def _warm(self, key: Any, base: Any, entry: Entry, flat: Flat, device: torch.device,
+    def _warm(self, key: Any, base: Any, entry: Entry, flat: Flat,
               backend: _capture.Backend) -> Any:
+        device = flat.leaves[flat.tensor_pos[0]].device
         args, kwargs = flat.rebuild(flat.leaves)
         recorder = WriteRecorder(watch_map(flat.leaves, flat.tensor_pos)) if entry.runs == 0 \
             else None
@@ -228,9 +239,10 @@ class Engine:
         entry.reason = reason
 
     # -- capture -------------------------------------------------------------------
-    def _capture(self, key: Any, base: Any, entry: Entry, flat: Flat, device: torch.device,
+    def _capture(self, key: Any, base: Any, entry: Entry, flat: Flat,
                  backend: _capture.Backend) -> Any:
-        leaves = flat.leaves
+        leaves = list(flat.leaves)
+        device = leaves[flat.tensor_pos[0]].device
         stats = self.stats
         with _capture_lock:
             if entry.state == READY:  # another thread captured it meanwhile
@@ -244,11 +256,16 @@ class Engine:
             static = StaticInputs(leaves, copied)
             args, kwargs = flat.rebuild(static.substitute(leaves))
             recorder = WriteRecorder(watch_map(static.substitute(leaves), tuple(copied)))
+            pool = backend.pool(device)
             try:
                 with _warming(), running(watch), recorder:
                     graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
             except Exception as exc:  # noqa: BLE001 - any capture problem means eager
+                pool.settle()
                 return self._capture_failed(entry, flat, exc)
+            if watch.assigned or recorder.written:
+                del graph
+                pool.settle()
             if watch.assigned:
                 self._give_up(entry, f"forward assigns module attribute {watch.assigned}")
                 stats.count_eager(entry.reason)
@@ -259,9 +276,13 @@ class Engine:
                                   warn=False)
                 return self._eager(*flat.rebuild(leaves))
             entry.graph, entry.static, entry.device = graph, static, device
-            entry.backend, entry.pool = backend, backend.pool(device)
+            entry.backend, entry.pool = backend, pool
             entry.build = output_builder(out, leaves, static, inplace, watch.storage_ptrs())
-            result = self._run_graph(backend, entry, leaves)
+            with pool.lock:
+                backend.order_replay(device, pool)
+                static.copy_in(leaves)
+                graph.replay()
+                result = entry.build(leaves)
             missed = static.differing(leaves)
             if missed:
                 # written by something no operator declared (a raw kernel): hand the
@@ -272,11 +293,14 @@ class Engine:
                             leaves[i].copy_(buf)
                 self._rekey(key, base, entry, flat, set(missed))
                 entry.graph = entry.static = entry.build = None
+                del graph
+                pool.settle()
                 stats.count_eager("argument written in place: capturing it at its address",
                                   warn=False)
                 return result
             seconds = time.perf_counter() - start
             entry.nbytes = max(0, backend.memory_reserved(device) - before) + static.nbytes()
+            pool.adopt(graph)
             with self.lock:
                 entry.state = READY
                 stats.captures += 1
@@ -299,22 +323,21 @@ class Engine:
 
     # -- replay --------------------------------------------------------------------
     def _replay(self, key: Any, entry: Entry, flat: Flat) -> Any:
-        result = self._run_graph(entry.backend, entry, flat.leaves)
+        """Copy in, replay, build the outputs.  Serialized per pool, since the graphs of
+        a pool share memory."""
+        leaves = flat.leaves
+        pool = entry.pool
+        with pool.lock:  # type: ignore[union-attr]
+            entry.backend.order_replay(entry.device, pool)
+            entry.static.copy_in(leaves)  # type: ignore[union-attr]
+            entry.graph.replay()
+            result = entry.build(leaves)  # type: ignore[misc]
         self.stats.replays += 1
         try:
             self.entries.move_to_end(key)
         except KeyError:  # evicted meanwhile by another thread
             pass
         return result
-
-    @staticmethod
-    def _run_graph(backend: _capture.Backend, entry: Entry, leaves: list[Any]) -> Any:
-        pool = entry.pool
-        with pool.lock:  # type: ignore[union-attr]
-            backend.order_replay(entry.device, pool)  # type: ignore[arg-type]
-            entry.static.copy_in(leaves)  # type: ignore[union-attr]
-            entry.graph.replay()
-            return entry.build(leaves)  # type: ignore[misc]
 
 
 class _warming:

@@ -1,22 +1,23 @@
-"""The key of a call: everything a captured graph bakes in about its inputs.
+"""The key of a call: everything a captured graph bakes in about its arguments.
 
 Two calls with equal keys may share a graph.  The key holds the pytree structure of the
-arguments, each tensor's shape, strides, dtype, device and ``requires_grad``, every
-non-tensor leaf by type and value, and the global modes that change which kernels run
-(grad mode, inference mode, autocast, float32 matmul precision).  Anything that cannot
-be keyed safely raises :class:`Uncapturable` with the reason the call must run eagerly.
+arguments, each tensor's shape, strides, dtype, device and ``requires_grad``, and every
+non-tensor leaf by type and value; the engine adds the global modes (grad, inference,
+autocast, float32 matmul precision) and ``module.training``.  Anything that cannot be
+keyed safely raises :class:`Uncapturable` with the reason the call must run eagerly.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_strided = torch.strided
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _BY_VALUE = (
     type(None),
@@ -36,46 +37,50 @@ class Uncapturable(Exception):
     """A call that must run eagerly; ``str(exc)`` is the reason counted in stats."""
 
 
-@dataclass(frozen=True)
 class Flat:
     """The flattened arguments of one call.
 
-    ``leaves`` are the pytree leaves in order, ``tensor_pos`` the indices of the tensor
-    leaves, and ``rebuild(leaves)`` turns a (possibly substituted) leaf list back into
-    ``(args, kwargs)``.
+    ``leaves`` are the pytree leaves in order and ``structure`` a hashable description
+    of the containers around them; ``rebuild(leaves)`` turns a (possibly substituted)
+    leaf list back into ``(args, kwargs)``.
     """
 
-    leaves: list[Any]
-    tensor_pos: tuple[int, ...]
-    structure: Any
-    nargs: int
-    kw_names: tuple[str, ...]
-    spec: Any  # a torch TreeSpec, or None for the flat fast path
+    __slots__ = ("leaves", "structure", "nargs", "kw_names", "spec")
+
+    def __init__(self, leaves: list[Any] | tuple[Any, ...], structure: Any, nargs: int,
+                 kw_names: tuple[str, ...], spec: Any) -> None:
+        self.leaves = leaves
+        self.structure = structure
+        self.nargs = nargs
+        self.kw_names = kw_names
+        self.spec = spec  # a torch TreeSpec, or None for the flat fast path
+
+    @property
+    def tensor_pos(self) -> tuple[int, ...]:
+        """Indices of the tensor leaves."""
+        return tuple(i for i, x in enumerate(self.leaves) if isinstance(x, _Tensor))
 
     def rebuild(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.spec is None:
             n = self.nargs
             return tuple(leaves[:n]), dict(zip(self.kw_names, leaves[n:]))
-        return pytree.tree_unflatten(leaves, self.spec)
+        return pytree.tree_unflatten(leaves, self.spec)  # type: ignore[no-any-return]
 
 
-def _is_flat_leaf(x: Any) -> bool:
-    return isinstance(x, _Tensor) or isinstance(x, _BY_VALUE) or type(x) is float
+_FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *_BY_VALUE}).__contains__
 
 
 def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Flat:
-    """Flatten a call's arguments; tuples of tensors and scalars take a fast path."""
-    if all(map(_is_flat_leaf, args)) and all(map(_is_flat_leaf, kwargs.values())):
+    """Flatten a call's arguments; tensors and scalars not nested in containers take a
+    fast path that skips pytree."""
+    if not kwargs:
+        if all(map(_FLAT, map(type, args))):
+            return Flat(args, len(args), len(args), (), None)
+    elif all(map(_FLAT, map(type, args))) and all(map(_FLAT, map(type, kwargs.values()))):
         names = tuple(kwargs)
-        leaves = [*args, *kwargs.values()]
-        structure: Any = (len(args), names)
-        spec = None
-    else:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        names = ()
-        structure = _spec_key(spec)
-    pos = tuple(i for i, x in enumerate(leaves) if isinstance(x, _Tensor))
-    return Flat(leaves, pos, structure, len(args), names, spec)
+        return Flat((*args, *kwargs.values()), (len(args), names), len(args), names, None)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    return Flat(leaves, _spec_key(spec), len(args), (), spec)
 
 
 def _spec_key(spec: Any) -> Any:
@@ -97,47 +102,49 @@ def _hashable(context: Any) -> Any:
 
 
 def leaf_key(x: Any) -> Any:
-    """The key of one leaf; raises :class:`Uncapturable` for what cannot be keyed."""
-    if isinstance(x, _Tensor):
-        if type(x) not in _PLAIN_TENSORS:
-            raise Uncapturable(f"tensor subclass {type(x).__name__} argument")
-        if x.layout is not torch.strided:
-            raise Uncapturable(f"{x.layout} tensor argument")
-        return (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+    """The key of one non-tensor leaf; raises :class:`Uncapturable` for what cannot be
+    keyed."""
     if type(x) is float:
         return (float, x.hex())  # tells -0.0 from 0.0 and keys NaN stably
     if isinstance(x, _BY_VALUE) or isinstance(x, enum.Enum):
         return (type(x), x)
+    if isinstance(x, _Tensor):
+        raise Uncapturable(_tensor_reason(x))
     raise Uncapturable(
         f"argument of type {type(x).__qualname__} cannot be keyed "
         "(only tensors, numbers, strings, None, dtypes and devices are)"
     )
 
 
-def call_device(flat: Flat) -> torch.device | None:
-    """The one device of the tensor arguments (None without tensors)."""
-    leaves = flat.leaves
-    pos = flat.tensor_pos
-    if not pos:
-        return None
-    device = leaves[pos[0]].device
-    for i in pos[1:]:
-        if leaves[i].device != device:
-            raise Uncapturable("tensor arguments on several devices")
-    return device
+def _tensor_reason(x: torch.Tensor) -> str:
+    if type(x) not in _PLAIN_TENSORS:
+        return f"tensor subclass {type(x).__name__} argument"
+    if x.is_nested:
+        return "nested tensor argument"
+    return f"{x.layout} tensor argument"
 
 
-def mode_key(device_type: str) -> tuple[Any, ...]:
-    """Global modes that decide which kernels a call runs."""
-    autocast = torch.is_autocast_enabled(device_type)
-    return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        autocast and torch.get_autocast_dtype(device_type),
-        torch.get_float32_matmul_precision(),
-    )
+def key_leaves(flat: Flat) -> tuple[tuple[Any, ...], torch.device | None]:
+    """The keys of all leaves and the one device of the tensors (None without any).
 
-
-def make_key(flat: Flat, extra: Any) -> tuple[Any, ...]:
-    """The full key of a call: structure, leaves, modes, and the caller's ``extra``."""
-    return (flat.structure, tuple(map(leaf_key, flat.leaves)), extra)
+    A tensor is keyed by shape, strides, dtype, device and ``requires_grad``.
+    """
+    parts = []
+    device = None
+    for x in flat.leaves:
+        tx = type(x)
+        if tx is _Tensor or tx is _Parameter:
+            if x.layout is not _strided:
+                raise Uncapturable(_tensor_reason(x))
+            try:
+                part = (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
+            except (RuntimeError, NotImplementedError):  # nested tensors have no strides
+                raise Uncapturable(_tensor_reason(x)) from None
+            if device is None:
+                device = part[3]
+            elif part[3] != device:
+                raise Uncapturable("tensor arguments on several devices")
+            parts.append(part)
+        else:
+            parts.append(leaf_key(x))
+    return tuple(parts), device

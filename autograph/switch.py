@@ -15,14 +15,33 @@ from collections.abc import Iterator
 ENV_VAR = "AUTOGRAPH_DISABLE"
 _FALSE = ("", "0", "false", "no", "off")
 _local = threading.local()
+_lock = threading.Lock()
+
+
+# os.environ keeps its values in a plain dict keyed by the encoded name; reading it
+# directly costs a dict lookup instead of a Mapping.get that raises KeyError inside.
+_environ = getattr(os.environ, "_data", None)
+_env_key = os.environ.encodekey(ENV_VAR) if _environ is not None else None  # type: ignore[attr-defined]
+_active = 0  # disabled() blocks open in any thread: the thread-local check is skipped at 0
+
+
+def maybe_disabled() -> bool:
+    """A cheap pre-check for the call path: False means certainly enabled."""
+    return bool(_active) or (
+        _environ.get(_env_key) is not None if _environ is not None else ENV_VAR in os.environ
+    )
 
 
 def is_disabled() -> bool:
     """True when graphs are switched off for the calling thread."""
-    if getattr(_local, "depth", 0):
+    if _active and getattr(_local, "depth", 0):
         return True
-    value = os.environ.get(ENV_VAR)
-    return value is not None and value.strip().lower() not in _FALSE
+    value = _environ.get(_env_key) if _environ is not None else os.environ.get(ENV_VAR)
+    if value is None:
+        return False
+    if isinstance(value, bytes):
+        value = value.decode(errors="replace")
+    return value.strip().lower() not in _FALSE
 
 
 @contextlib.contextmanager
@@ -34,8 +53,13 @@ def disabled() -> Iterator[None]:
         with autograph.disabled():
             reference = model(x)   # plain eager PyTorch, nothing captured
     """
+    global _active
+    with _lock:
+        _active += 1
     _local.depth = getattr(_local, "depth", 0) + 1
     try:
         yield
     finally:
         _local.depth -= 1
+        with _lock:
+            _active -= 1

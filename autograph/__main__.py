@@ -1,0 +1,22 @@
+"""Command line: ``python -m autograph bench``."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"bench": "eager vs autograph vs a hand-written CUDA graph"}
+    if not argv or argv[0] not in commands:
+        print("usage: python -m autograph COMMAND [options]\n\ncommands:")
+        for name, text in commands.items():
+            print(f"  {name:<8} {text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    from . import bench
+
+    return bench.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

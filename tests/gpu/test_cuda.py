@@ -1,0 +1,352 @@
+"""Real CUDA graphs: every point of the core, graphed output against eager on fresh
+random inputs.  Skipped without CUDA."""
+
+import logging
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+from autograph.models import Decoder, mlp
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+FP16 = {"rtol": 2e-2, "atol": 2e-2}
+
+
+def small_decoder(dtype=torch.float16):
+    torch.manual_seed(0)
+    return Decoder(layers=2, d=128, heads=4, vocab=1000, max_len=64).cuda().to(dtype).eval()
+
+
+def test_mlp_replays_and_equals_eager():
+    model = mlp(64, 3).cuda().eval()
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for _ in range(20):
+            x = torch.randn(4, 64, device="cuda")
+            torch.testing.assert_close(g(x), model(x))
+    s = autograph.stats(g)
+    assert (s["captures"], s["replays"], s["eager"]) == (1, 17, 2)
+    assert s["graph_memory_bytes"] > 0
+
+
+def test_decode_loop_with_in_place_cache_equals_eager():
+    model = small_decoder()
+    g = autograph.graphed(model)
+    cache, ref = model.new_cache(3), model.new_cache(3)
+    with torch.no_grad():
+        for pos in range(40):
+            tokens = torch.randint(0, 1000, (3, 1), device="cuda")
+            p = torch.tensor([pos], device="cuda")
+            out = g(tokens, p, *cache)
+            expect = model(tokens, p, *ref)
+            torch.testing.assert_close(out, expect, **FP16)
+            torch.testing.assert_close(cache[0], ref[0], **FP16)
+            torch.testing.assert_close(cache[1], ref[1], **FP16)
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["replays"] == 37
+    (entry,) = g._self_engine.entries.values()
+    assert entry.static.positions == [0, 1]  # tokens and pos copied; caches never
+
+
+def test_outputs_are_safe_to_keep():
+    model = mlp(32, 2).cuda().eval()
+    g = autograph.graphed(model, warmup=0)
+    with torch.no_grad():
+        xs = [torch.randn(2, 32, device="cuda") for _ in range(5)]
+        outs = [g(x) for x in xs]
+        for x, out in zip(xs, outs):
+            torch.testing.assert_close(out, model(x))
+
+
+def test_one_graph_per_shape_and_shared_pool():
+    model = nn.Sequential(nn.Linear(1024, 8192), nn.GELU(), nn.Linear(8192, 1024)).cuda()
+    g = autograph.graphed(model, warmup=1)
+    with torch.no_grad():
+        for batch in (512, 256, 128, 512, 256, 128):
+            for _ in range(2):
+                x = torch.randn(batch, 1024, device="cuda")
+                torch.testing.assert_close(g(x), model(x), rtol=1e-3, atol=1e-3)
+    engine = g._self_engine
+    sizes = sorted(e.nbytes for e in engine.entries.values())
+    s = autograph.stats(g)
+    assert s["captures"] == 3 and s["graphs"] == 3
+    # graphs captured after the largest reuse its pool: they cost far less than it
+    assert sizes[-1] > 4 * 512 * 8192 * 4 * 0.9
+    assert sizes[0] + sizes[1] < sizes[-1]
+
+
+def test_parameter_replacement_and_data_swap():
+    model = mlp(32, 2).cuda().eval()
+    g = autograph.graphed(model)
+
+    def check():
+        with torch.no_grad():
+            for _ in range(4):
+                x = torch.randn(2, 32, device="cuda")
+                torch.testing.assert_close(g(x), model(x))
+
+    check()
+    model[0].weight = nn.Parameter(torch.randn(32, 32, device="cuda"))
+    check()
+    model[2].weight.data = torch.randn(32, 32, device="cuda")
+    check()
+    with torch.no_grad():  # in-place: same graph, new values
+        model[0].bias.mul_(3)
+    check()
+    s = autograph.stats(g)
+    assert s["invalidations"] == 2 and s["captures"] == 3
+
+
+def test_dtype_change_and_device_move():
+    model = small_decoder(torch.float32)
+    g = autograph.graphed(model)
+
+    def run(dtype, n=4):
+        cache, ref = model.new_cache(2), model.new_cache(2)
+        with torch.no_grad():
+            for pos in range(n):
+                t = torch.randint(0, 1000, (2, 1), device="cuda")
+                p = torch.tensor([pos], device="cuda")
+                out = g(t, p, *cache)
+                assert out.dtype == dtype
+                torch.testing.assert_close(out, model(t, p, *ref), **FP16)
+
+    run(torch.float32)
+    g.half()
+    run(torch.float16)
+    g.cpu()
+    g.cuda()
+    run(torch.float16)
+    assert autograph.stats(g)["invalidations"] >= 2
+
+
+def test_module_attribute_change_is_seen():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    m = Scaled().cuda()
+    g = autograph.graphed(m)
+    x = torch.randn(2, 16, device="cuda")
+    with torch.no_grad():
+        for _ in range(4):
+            g(x)
+        m.scale = 4.0
+        for _ in range(4):
+            torch.testing.assert_close(g(x), m(x))
+
+
+def test_capture_errors_fall_back_cleanly(caplog):
+    caplog.set_level(logging.WARNING, logger="autograph")
+
+    @autograph.graphed(warmup=1)
+    def item(x):
+        return x * x.sum().item()
+
+    @autograph.graphed(warmup=1)
+    def sync(x):
+        torch.cuda.synchronize()
+        return x + 1
+
+    @autograph.graphed(warmup=1)
+    def nonzero(x):
+        return x[x > 0].sum()
+
+    @autograph.graphed(warmup=1)
+    def from_cpu(x):
+        return x + torch.ones(x.shape).to(x.device)
+
+    with torch.no_grad():
+        for fn, ref in ((item, lambda x: x * x.sum().item()), (sync, lambda x: x + 1),
+                        (nonzero, lambda x: x[x > 0].sum()),
+                        (from_cpu, lambda x: x + 1)):
+            for _ in range(4):
+                x = torch.randn(8, device="cuda")
+                torch.testing.assert_close(fn(x), ref(x))
+            s = autograph.stats(fn)
+            assert s["captures"] == 0, fn
+            assert any(r.startswith("capture failed") for r in s["eager_reasons"]), s
+            assert not torch.cuda.is_current_stream_capturing()
+    assert sum("capture failed" in r.getMessage() for r in caplog.records) == 4
+    # the device is healthy and a fresh capture works
+    ok = autograph.graphed(lambda x: x * 2, warmup=0)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, device="cuda")
+            torch.testing.assert_close(ok(x), x * 2)
+    assert autograph.stats(ok)["captures"] == 1
+
+
+def test_hidden_write_is_handed_to_the_caller():
+    """A write no operator declares (a raw kernel) lands in the caller's tensor anyway."""
+
+    @autograph.graphed(warmup=0)
+    def f(x, y):
+        with torch._C._DisableTorchDispatch():
+            x.add_(1)
+        return x * y
+
+    x, ref = torch.zeros(4, device="cuda"), torch.zeros(4, device="cuda")
+    with torch.no_grad():
+        for _ in range(5):
+            y = torch.randn(4, device="cuda")
+            out = f(x, y)
+            ref.add_(1)
+            torch.testing.assert_close(out, ref * y)
+            torch.testing.assert_close(x, ref)
+    assert autograph.stats(f)["replays"] >= 2
+
+
+def test_kill_switch(monkeypatch):
+    model = mlp(16, 2).cuda()
+    g = autograph.graphed(model)
+    x = torch.randn(1, 16, device="cuda")
+    with torch.no_grad():
+        with autograph.disabled():
+            for _ in range(4):
+                torch.testing.assert_close(g(x), model(x))
+        monkeypatch.setenv("AUTOGRAPH_DISABLE", "1")
+        for _ in range(4):
+            torch.testing.assert_close(g(x), model(x))
+    s = autograph.stats(g)
+    assert s["captures"] == 0 and s["eager_reasons"] == {"disabled": 8}
+
+
+def test_threads_get_correct_separate_outputs():
+    model = mlp(64, 3).cuda().eval()
+    g = autograph.graphed(model, warmup=1)
+    results, errors = [], []
+
+    def worker(tid):
+        stream = torch.cuda.Stream() if tid % 2 else torch.cuda.current_stream()
+        try:
+            with torch.no_grad(), torch.cuda.stream(stream):
+                for step in range(30):
+                    x = torch.randn(1 + (tid + step) % 4, 64, device="cuda")
+                    results.append((x, g(x), stream))
+            stream.synchronize()
+        except Exception as exc:  # pragma: no cover
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors
+    with torch.no_grad():
+        for x, out, _ in results:
+            torch.testing.assert_close(out, model(x))
+    assert autograph.stats(g)["replays"] > 100
+
+
+def test_call_on_a_side_stream_is_ordered():
+    model = mlp(256, 4).cuda().eval()
+    g = autograph.graphed(model)
+    s = torch.cuda.Stream()
+    with torch.no_grad():
+        for _ in range(6):
+            with torch.cuda.stream(s):
+                x = torch.randn(64, 256, device="cuda")
+                out = g(x)
+                expect = model(x)
+            s.synchronize()
+            torch.testing.assert_close(out, expect)
+
+
+def test_inside_a_users_own_capture_runs_eagerly_into_it():
+    model = mlp(16, 2).cuda().eval()
+    g = autograph.graphed(model)
+    static_x = torch.randn(2, 16, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = g(static_x)
+        static_x.copy_(torch.randn(2, 16, device="cuda"))
+        graph.replay()
+        torch.testing.assert_close(static_out, model(static_x))
+    assert "called while the current stream is capturing" in autograph.stats(g)["eager_reasons"]
+
+
+def test_cpu_and_mixed_device_inputs_run_eagerly():
+    @autograph.graphed(warmup=0)
+    def f(x, y):
+        return x + y.to(x.device)
+
+    with torch.no_grad():
+        a, b = torch.randn(3), torch.randn(3, device="cuda")
+        torch.testing.assert_close(f(a, a), a + a)
+        torch.testing.assert_close(f(b, a), b + a.cuda())
+    reasons = autograph.stats(f)["eager_reasons"]
+    assert "tensor arguments on several devices" in reasons
+    assert any(r.startswith("inputs on cpu") for r in reasons)
+
+
+def test_autocast_and_inference_mode():
+    model = mlp(64, 2).cuda().eval()
+    g = autograph.graphed(model)
+    for _ in range(4):
+        x = torch.randn(8, 64, device="cuda")
+        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.float16):
+            out = g(x)
+            expect = model(x)
+        assert out.dtype == torch.float16
+        torch.testing.assert_close(out, expect, **FP16)
+    assert autograph.stats(g)["replays"] == 1
+
+
+def test_autograd_runs_eagerly_with_eager_gradients():
+    model = mlp(16, 2).cuda()
+    g = autograph.graphed(model)
+    x = torch.randn(4, 16, device="cuda")
+    g(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for a, b in zip(got, model.parameters()):
+        torch.testing.assert_close(a, b.grad)
+    assert autograph.stats(g)["captures"] == 0
+
+
+def test_forward_decorated_in_class_per_instance():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        @autograph.graphed
+        def forward(self, x):
+            return self.fc(x).tanh()
+
+    a, b = Net().cuda(), Net().cuda()
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(2, 8, device="cuda")
+            torch.testing.assert_close(a(x), a.fc(x).tanh())
+            torch.testing.assert_close(b(x), b.fc(x).tanh())
+    assert autograph.stats(a)["replays"] == 2 and autograph.stats(b)["replays"] == 2
+
+
+def test_lru_bound():
+    g = autograph.graphed(lambda x: x.sin(), warmup=0, max_graphs=3)
+    with torch.no_grad():
+        for n in range(1, 8):
+            x = torch.randn(n, device="cuda")
+            torch.testing.assert_close(g(x), x.sin())
+    s = autograph.stats(g)
+    assert s["graphs"] == 3 and s["evictions"] == 4

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-import weakref
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -42,48 +42,13 @@ class Pool:
     Graphs that share a pool overlap in memory, so they must never run concurrently:
     replays are serialized by ``lock``, and a replay issued on another stream than the
     previous one first waits for that stream (``last_stream``).
-
-    The allocator frees a graph pool with its last graph, after which its id must not
-    be used again.  So the pool handle is held while at least one kept graph is alive
-    (counted by finalizers, however the graph dies) and minted anew after that.
     """
 
-    def __init__(self, mint: Callable[[], Any] = lambda: None) -> None:
-        self._mint = mint
-        self._handle: Any = None
-        self._count_lock = threading.Lock()
-        self.graphs = 0
+    def __init__(self, handle: Any = None, anchor: Any = None) -> None:
+        self.handle = handle
+        self._anchor = anchor  # keeps the pool alive while it has no other graph
         self.lock = threading.Lock()
         self.last_stream: Any = None
-
-    def acquire(self) -> Any:
-        """The pool handle for a new capture."""
-        with self._count_lock:
-            if self._handle is None:
-                self._handle = self._mint()
-            return self._handle
-
-    def adopt(self, graph: Any) -> None:
-        """A kept graph holds the pool until it is garbage collected."""
-        with self._count_lock:
-            self.graphs += 1
-        try:
-            weakref.finalize(graph, self._release)
-        except TypeError:  # not weak-referenceable: hold the pool for good
-            pass
-
-    def _release(self) -> None:
-        with self._count_lock:
-            self.graphs -= 1
-            if self.graphs <= 0:
-                self.graphs = 0
-                self._handle = None
-
-    def settle(self) -> None:
-        """After a capture that was not kept: forget a handle that no graph holds."""
-        with self._count_lock:
-            if self.graphs == 0:
-                self._handle = None
 
 
 class Backend(Protocol):
@@ -122,8 +87,11 @@ class CudaBackend:
         index = _index(device)
         pool = self._pools.get(index)
         if pool is None:
-            with self._lock, torch.cuda.device(index):
-                pool = self._pools.setdefault(index, Pool(_minter(index)))
+            side = self._stream(index)
+            with self._lock:
+                pool = self._pools.get(index)
+                if pool is None:
+                    pool = self._pools[index] = _new_pool(index, side)
         return pool
 
     @contextlib.contextmanager
@@ -155,25 +123,42 @@ class CudaBackend:
         gc_was_enabled = gc.isenabled()
         with torch.cuda.device(index):
             caller = torch.cuda.current_stream()
+            rng = torch.cuda.get_rng_state(index)
             torch.cuda.synchronize()
             side.wait_stream(caller)
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
                 with torch.cuda.stream(side):
-                    graph.capture_begin(
-                        pool=_pool_id(pool.acquire()), capture_error_mode="thread_local"
-                    )
+                    graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
                     try:
                         output = fn()
+                        graph.capture_end()
                     except BaseException:
                         _end_quietly(graph)
+                        self._recover(index, rng)
                         raise
-                    graph.capture_end()
             finally:
                 if gc_was_enabled:
                     gc.enable()
                 caller.wait_stream(side)
         return graph, output
+
+    def _recover(self, index: int, rng: torch.Tensor) -> None:
+        """Clean up after a capture that failed.
+
+        A failed ``capture_end`` skips its bookkeeping: the pool stays marked as being
+        recorded into (a later capture into it fails), and the default generator stays
+        flagged as capturing (every later random op fails with "Offset increment outside
+        graph capture").  So the pool is retired (its graphs keep working) and a new one
+        is made, whose anchor capture completes and clears the generator's flag; then
+        the generator state saved before the capture is restored.
+        """
+        with self._lock:
+            self._pools.pop(index, None)
+        with contextlib.suppress(Exception):
+            self.pool(torch.device("cuda", index))
+        with contextlib.suppress(Exception):
+            torch.cuda.set_rng_state(rng, index)
 
     def memory_reserved(self, device: torch.device) -> int:
         return torch.cuda.memory_reserved(_index(device))
@@ -202,22 +187,25 @@ _stream_capturing = getattr(
 )
 
 
-def _minter(index: int) -> Callable[[], Any]:
-    """A new pool for device ``index``: a ``torch.cuda.MemPool`` (which keeps its pool
-    alive while we hold it) where torch has one, else a bare pool handle."""
+def _new_pool(index: int, stream: torch.cuda.Stream) -> Pool:
+    """A graph memory pool for device ``index`` that lives as long as the process.
 
-    def mint() -> Any:
-        with torch.cuda.device(index):
-            mempool = getattr(torch.cuda, "MemPool", None)
-            if mempool is not None:
-                return mempool()
-            return torch.cuda.graph_pool_handle()
-
-    return mint
-
-
-def _pool_id(handle: Any) -> Any:
-    return handle if isinstance(handle, tuple) else handle.id
+    The allocator frees a graph pool together with its last graph, and its id must not
+    be used after that.  A tiny anchor graph captured into the pool keeps it alive, so
+    graphs can come and go (evicted, invalidated, garbage collected) and the pool, with
+    the memory it caches for the next capture, stays valid.
+    """
+    with torch.cuda.device(index):
+        handle = torch.cuda.graph_pool_handle()
+        scratch = torch.zeros(1, device=index)
+        anchor = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
+            scratch.add_(1)
+            anchor.capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+    return Pool(handle, anchor)
 
 
 def _index(device: torch.device) -> int:
@@ -226,7 +214,8 @@ def _index(device: torch.device) -> int:
 
 def _end_quietly(graph: torch.cuda.CUDAGraph) -> None:
     """End a capture that failed; the first error is the one worth reporting."""
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it failed early
         graph.capture_end()
 
 

@@ -183,7 +183,7 @@ class Engine:
         if entry.state == READY:
             self.stats.graphs -= 1
             self.stats.graph_bytes -= entry.nbytes
-            entry.graph = entry.static = entry.build = None  # the pool notices the graph die
+            entry.graph = entry.static = entry.build = None
 
     def _rekey(self, key: Any, base: Any, entry: Entry, flat: Flat, inplace: set[int]) -> None:
         """Arguments at ``inplace`` are written by the function: key them by address."""
@@ -261,11 +261,7 @@ class Engine:
                 with _warming(), running(watch), recorder:
                     graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
             except Exception as exc:  # noqa: BLE001 - any capture problem means eager
-                pool.settle()
                 return self._capture_failed(entry, flat, exc)
-            if watch.assigned or recorder.written:
-                del graph
-                pool.settle()
             if watch.assigned:
                 self._give_up(entry, f"forward assigns module attribute {watch.assigned}")
                 stats.count_eager(entry.reason)
@@ -293,14 +289,11 @@ class Engine:
                             leaves[i].copy_(buf)
                 self._rekey(key, base, entry, flat, set(missed))
                 entry.graph = entry.static = entry.build = None
-                del graph
-                pool.settle()
                 stats.count_eager("argument written in place: capturing it at its address",
                                   warn=False)
                 return result
             seconds = time.perf_counter() - start
             entry.nbytes = max(0, backend.memory_reserved(device) - before) + static.nbytes()
-            pool.adopt(graph)
             with self.lock:
                 entry.state = READY
                 stats.captures += 1

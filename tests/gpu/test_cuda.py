@@ -75,7 +75,7 @@ def test_one_graph_per_shape_and_shared_pool():
     s = autograph.stats(g)
     assert s["captures"] == 3 and s["graphs"] == 3
     # graphs captured after the largest reuse its pool: they cost far less than it
-    assert sizes[-1] > 4 * 512 * 8192 * 4 * 0.9
+    assert sizes[-1] > 512 * 8192 * 4  # at least one 512x8192 fp32 intermediate
     assert sizes[0] + sizes[1] < sizes[-1]
 
 
@@ -177,6 +177,11 @@ def test_capture_errors_fall_back_cleanly(caplog):
             assert any(r.startswith("capture failed") for r in s["eager_reasons"]), s
             assert not torch.cuda.is_current_stream_capturing()
     assert sum("capture failed" in r.getMessage() for r in caplog.records) == 4
+    # random numbers still work (a failed capture can leave the generator capturing)
+    torch.manual_seed(1)
+    a = torch.randn(4, device="cuda")
+    torch.manual_seed(1)
+    assert torch.equal(a, torch.randn(4, device="cuda"))
     # the device is healthy and a fresh capture works
     ok = autograph.graphed(lambda x: x * 2, warmup=0)
     with torch.no_grad():
@@ -350,3 +355,36 @@ def test_lru_bound():
             torch.testing.assert_close(g(x), x.sin())
     s = autograph.stats(g)
     assert s["graphs"] == 3 and s["evictions"] == 4
+
+
+def test_failed_capture_leaves_random_numbers_untouched():
+    @autograph.graphed(warmup=0)
+    def bad(x):
+        return x * x.sum().item()
+
+    torch.manual_seed(3)
+    expect = torch.randn(8, device="cuda")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        bad(torch.ones(2, device="cuda"))  # a capture that fails
+    assert torch.equal(torch.randn(8, device="cuda"), expect)
+    drop = autograph.graphed(nn.Dropout(0.5).train(), warmup=1)
+    with torch.no_grad():
+        outs = [drop(torch.ones(1000, device="cuda")) for _ in range(4)]
+    assert autograph.stats(drop)["replays"] == 2
+    assert not torch.equal(outs[2], outs[3])  # fresh random numbers on every replay
+
+
+def test_pool_outlives_graphs_that_die():
+    import gc
+
+    for _ in range(3):
+        model = mlp(32, 2).cuda().eval()
+        g = autograph.graphed(model, warmup=0)
+        with torch.no_grad():
+            for _ in range(2):
+                x = torch.randn(2, 32, device="cuda")
+                torch.testing.assert_close(g(x), model(x))
+        assert autograph.stats(g)["replays"] == 1
+        del g, model
+        gc.collect()

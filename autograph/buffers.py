@@ -54,11 +54,20 @@ class StaticInputs:
         """Positions whose buffer no longer equals the caller's tensor (written by the
         graph although no operator declared the write)."""
         return [
-            i for i, buf in zip(self.positions, self.buffers) if not torch.equal(buf, leaves[i])
+            i for i, buf in zip(self.positions, self.buffers) if not _same_values(buf, leaves[i])
         ]
 
     def nbytes(self) -> int:
         return sum(b.untyped_storage().nbytes() for b in self.buffers)
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN equal to NaN (a NaN input is not a write)."""
+    if torch.equal(a, b):
+        return True
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return False
 
 
 def _static_like(t: torch.Tensor) -> torch.Tensor:

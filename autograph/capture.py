@@ -16,6 +16,10 @@ Contract of a backend:
   the error propagates.  Nothing has run yet when it returns: ``graph.replay()`` runs it.
 * ``memory_reserved(device)``: bytes the allocator holds, to measure graph memory.
 * ``pool(device)``: the :class:`Pool` shared by every graph of the device.
+* ``order_replay(device, pool)``: make a replay on the current stream wait for the
+  previous replay of the pool if that ran on another stream.
+* ``after_warmup(device, output)`` and ``synchronize(device)``: stream bookkeeping
+  for warmup outputs, and a full wait before graphs and their buffers are freed.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Backend(Protocol):
     def pool(self, device: torch.device) -> Pool: ...
     def order_replay(self, device: torch.device, pool: Pool) -> None: ...
     def after_warmup(self, device: torch.device, output: Any) -> None: ...
+    def synchronize(self, device: torch.device) -> None: ...
 
 
 class CudaBackend:
@@ -162,6 +167,9 @@ class CudaBackend:
 
     def memory_reserved(self, device: torch.device) -> int:
         return torch.cuda.memory_reserved(_index(device))
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(_index(device))
 
     def order_replay(self, device: torch.device, pool: Pool) -> None:
         """Make a replay on the current stream wait for the previous one on another."""

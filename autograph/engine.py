@@ -42,6 +42,7 @@ _capture_lock = threading.RLock()
 _local = threading.local()
 
 WARMING, READY, EAGER = 0, 1, 2
+_IN_PLACE = "argument written in place: capturing it at its address"
 
 
 class Entry:
@@ -170,20 +171,25 @@ class Engine:
         entries past a bound that keeps ever-new keys from growing the dict."""
         limit = self.options.max_graphs
         ready = [k for k, e in self.entries.items() if e.state == READY]
-        for k in ready[: max(0, len(ready) - limit)]:
-            self._drop(k)
-            self.stats.evictions += 1
+        evict = ready[: max(0, len(ready) - limit)]
+        self._drop(evict)
+        self.stats.evictions += len(evict)
         excess = len(self.entries) - 8 * limit - 64
         if excess > 0:
-            for k in list(self.entries)[:excess]:
-                self._drop(k)
+            idle = [k for k, e in self.entries.items() if e.state != READY]
+            self._drop(idle[:excess])
 
-    def _drop(self, key: Any) -> None:
-        entry = self.entries.pop(key)
-        if entry.state == READY:
-            self.stats.graphs -= 1
-            self.stats.graph_bytes -= entry.nbytes
-            entry.graph = entry.static = entry.build = None
+    def _drop(self, keys: list[Any]) -> None:
+        """Forget these entries.  Before ready graphs go, wait for work in flight: a
+        replay on another stream may still read their static buffers."""
+        entries = [self.entries.pop(k) for k in keys]
+        for device, backend in {(e.device, e.backend) for e in entries if e.state == READY}:
+            backend.synchronize(device)
+        for entry in entries:
+            if entry.state == READY:
+                self.stats.graphs -= 1
+                self.stats.graph_bytes -= entry.nbytes
+                entry.graph = entry.static = entry.build = None
 
     def _rekey(self, key: Any, base: Any, entry: Entry, flat: Flat, inplace: set[int]) -> None:
         """Arguments at ``inplace`` are written by the function: key them by address."""
@@ -198,8 +204,7 @@ class Engine:
     def reset(self) -> None:
         """Drop every graph and forget what was learned about the arguments."""
         with self.lock:
-            for key in list(self.entries):
-                self._drop(key)
+            self._drop(list(self.entries))
             self.inplace.clear()
             self.watch.stale = True
 
@@ -241,69 +246,79 @@ class Engine:
     # -- capture -------------------------------------------------------------------
     def _capture(self, key: Any, base: Any, entry: Entry, flat: Flat,
                  backend: _capture.Backend) -> Any:
+        """Capture the call, replay it once for its result, and keep the graph."""
         leaves = list(flat.leaves)
         device = leaves[flat.tensor_pos[0]].device
-        stats = self.stats
         with _capture_lock:
             if entry.state == READY:  # another thread captured it meanwhile
                 return self._replay(key, entry, flat)
             inplace = self.inplace.get(base, ())
-            copied = [i for i in flat.tensor_pos if i not in inplace]
-            watch = self.watch
-            watch.assigned = None
-            before = backend.memory_reserved(device)
-            start = time.perf_counter()
-            static = StaticInputs(leaves, copied)
-            args, kwargs = flat.rebuild(static.substitute(leaves))
-            recorder = WriteRecorder(watch_map(static.substitute(leaves), tuple(copied)))
-            pool = backend.pool(device)
+            start, before = time.perf_counter(), backend.memory_reserved(device)
+            static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
             try:
-                with _warming(), running(watch), recorder:
-                    graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
+                graph, out, written = self._record(flat, static, device, backend)
             except Exception as exc:  # noqa: BLE001 - any capture problem means eager
                 return self._capture_failed(entry, flat, exc)
-            if watch.assigned:
-                self._give_up(entry, f"forward assigns module attribute {watch.assigned}")
-                stats.count_eager(entry.reason)
+            if self.watch.assigned:
+                self._give_up(entry, f"forward assigns module attribute {self.watch.assigned}")
+                self.stats.count_eager(entry.reason)
                 return self._eager(*flat.rebuild(leaves))
-            if recorder.written:
-                self._rekey(key, base, entry, flat, recorder.written)
-                stats.count_eager("argument written in place: capturing it at its address",
-                                  warn=False)
+            if written:  # an argument thought read-only is written: capture it in place
+                self._rekey(key, base, entry, flat, written)
+                self.stats.count_eager(_IN_PLACE, warn=False)
                 return self._eager(*flat.rebuild(leaves))
             entry.graph, entry.static, entry.device = graph, static, device
-            entry.backend, entry.pool = backend, pool
-            entry.build = output_builder(out, leaves, static, inplace, watch.storage_ptrs())
-            with pool.lock:
-                backend.order_replay(device, pool)
+            entry.backend, entry.pool = backend, backend.pool(device)
+            entry.build = output_builder(out, leaves, static, inplace, self.watch.storage_ptrs())
+            with entry.pool.lock:
+                backend.order_replay(device, entry.pool)
                 static.copy_in(leaves)
                 graph.replay()
                 result = entry.build(leaves)
             missed = static.differing(leaves)
             if missed:
-                # written by something no operator declared (a raw kernel): hand the
-                # caller its write now, capture that argument in place next time
-                with torch.inference_mode():
-                    for i, buf in zip(static.positions, static.buffers):
-                        if i in missed:
-                            leaves[i].copy_(buf)
-                self._rekey(key, base, entry, flat, set(missed))
-                entry.graph = entry.static = entry.build = None
-                stats.count_eager("argument written in place: capturing it at its address",
-                                  warn=False)
+                self._hand_back(key, base, entry, flat, leaves, missed)
                 return result
-            seconds = time.perf_counter() - start
-            entry.nbytes = max(0, backend.memory_reserved(device) - before) + static.nbytes()
-            with self.lock:
-                entry.state = READY
-                stats.captures += 1
-                stats.graphs += 1
-                stats.capture_seconds += seconds
-                stats.graph_bytes += entry.nbytes
-                self._trim()
-        logger.debug("%s: captured graph %d in %.1f ms, %d bytes", stats.name,
-                     stats.captures, seconds * 1e3, entry.nbytes)
+            nbytes = max(0, backend.memory_reserved(device) - before) + static.nbytes()
+            self._keep(entry, time.perf_counter() - start, nbytes)
         return result
+
+    def _record(self, flat: Flat, static: StaticInputs, device: torch.device,
+                backend: _capture.Backend) -> tuple[Any, Any, set[int]]:
+        """Capture ``fn`` on the static buffers; also report which of them it writes."""
+        leaves = static.substitute(list(flat.leaves))
+        args, kwargs = flat.rebuild(leaves)
+        recorder = WriteRecorder(watch_map(leaves, tuple(static.positions)))
+        self.watch.assigned = None
+        with _warming(), running(self.watch), recorder:
+            graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
+        return graph, out, recorder.written
+
+    def _hand_back(self, key: Any, base: Any, entry: Entry, flat: Flat, leaves: list[Any],
+                   missed: list[int]) -> None:
+        """The graph wrote arguments through something no operator declared (a raw
+        kernel): give the caller its write now and capture them in place next time."""
+        static = entry.static
+        with torch.inference_mode():
+            for i, buf in zip(static.positions, static.buffers):  # type: ignore[union-attr]
+                if i in missed:
+                    leaves[i].copy_(buf)
+        self._rekey(key, base, entry, flat, set(missed))
+        entry.graph = entry.static = entry.build = None
+        self.stats.count_eager(_IN_PLACE, warn=False)
+
+    def _keep(self, entry: Entry, seconds: float, nbytes: int) -> None:
+        stats = self.stats
+        with self.lock:
+            entry.state = READY
+            entry.nbytes = nbytes
+            stats.captures += 1
+            stats.graphs += 1
+            stats.capture_seconds += seconds
+            stats.graph_bytes += nbytes
+            self._trim()
+        logger.debug("%s: captured graph %d in %.1f ms, %d bytes", stats.name,
+                     stats.captures, seconds * 1e3, nbytes)
 
     def _capture_failed(self, entry: Entry, flat: Flat, exc: Exception) -> Any:
         """Run the call eagerly; if eager succeeds, the key stays eager for good."""

@@ -149,3 +149,6 @@ class StandinBackend:
 
     def order_replay(self, device: torch.device, pool: Pool) -> None:
         pass
+
+    def synchronize(self, device: torch.device) -> None:
+        pass

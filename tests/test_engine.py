@@ -298,3 +298,15 @@ def test_capture_sees_in_place_on_view_of_argument():
             v = torch.randn(3)
             torch.testing.assert_close(f(buf, v), v)
             torch.testing.assert_close(buf[0], v)
+
+
+def test_nan_inputs_are_not_mistaken_for_writes():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return torch.nan_to_num(x) + 1
+
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.tensor([1.0, float("nan")])
+            torch.testing.assert_close(f(x), torch.tensor([2.0, 1.0]))
+    assert stats_of(f)["replays"] == 2

@@ -48,10 +48,11 @@ class Pool:
     previous one first waits for that stream (``last_stream``).
     """
 
-    def __init__(self, handle: Any = None, anchor: Any = None) -> None:
+    def __init__(self, handle: Any = None, anchor: Any = None,
+                 lock: threading.Lock | None = None) -> None:
         self.handle = handle
         self._anchor = anchor  # keeps the pool alive while it has no other graph
-        self.lock = threading.Lock()
+        self.lock = lock if lock is not None else threading.Lock()
         self.last_stream: Any = None
 
 
@@ -74,6 +75,10 @@ class CudaBackend:
         self._lock = threading.Lock()
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._pools: dict[int, Pool] = {}
+        # One replay lock per device, shared by its pools (old and new) and held by a
+        # capture: torch flags the device's default generator as capturing for the
+        # whole process, and a replay meanwhile would fail on it.
+        self._gates: dict[int, threading.Lock] = {}
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available()
@@ -96,7 +101,8 @@ class CudaBackend:
             with self._lock:
                 pool = self._pools.get(index)
                 if pool is None:
-                    pool = self._pools[index] = _new_pool(index, side)
+                    gate = self._gates.setdefault(index, threading.Lock())
+                    pool = self._pools[index] = _new_pool(index, side, gate)
         return pool
 
     @contextlib.contextmanager
@@ -133,7 +139,7 @@ class CudaBackend:
             side.wait_stream(caller)
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
-                with torch.cuda.stream(side):
+                with torch.cuda.stream(side), pool.lock:
                     graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
                     try:
                         output = fn()
@@ -173,17 +179,16 @@ class CudaBackend:
 
     def order_replay(self, device: torch.device, pool: Pool) -> None:
         """Make a replay on the current stream wait for the previous one on another."""
-        current = _current_stream_key(_index(device))
+        current = _current_stream(device.index)  # CUDA tensors always carry an index
         last = pool.last_stream
         if last is not None and last != current:
             _stream_of(current).wait_stream(_stream_of(last))
         pool.last_stream = current
 
 
-def _current_stream_key(index: int) -> tuple[int, int, int]:
-    """(stream id, device index, device type) of the current stream, without making a
-    Python ``Stream`` object on every replay."""
-    return torch._C._cuda_getCurrentStream(index)  # type: ignore[attr-defined,no-any-return]
+# (stream id, device index, device type) of the current stream, without making a
+# Python ``Stream`` object on every replay.
+_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 def _stream_of(key: tuple[int, int, int]) -> torch.cuda.Stream:
@@ -195,7 +200,7 @@ _stream_capturing = getattr(
 )
 
 
-def _new_pool(index: int, stream: torch.cuda.Stream) -> Pool:
+def _new_pool(index: int, stream: torch.cuda.Stream, gate: threading.Lock) -> Pool:
     """A graph memory pool for device ``index`` that lives as long as the process.
 
     The allocator frees a graph pool together with its last graph, and its id must not
@@ -213,7 +218,7 @@ def _new_pool(index: int, stream: torch.cuda.Stream) -> Pool:
             scratch.add_(1)
             anchor.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
-    return Pool(handle, anchor)
+    return Pool(handle, anchor, gate)
 
 
 def _index(device: torch.device) -> int:

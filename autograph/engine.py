@@ -40,6 +40,7 @@ _matmul_precision = getattr(
 # another capture into the same pool, and it keeps warmup and capture on one stream.
 _capture_lock = threading.RLock()
 _local = threading.local()
+_count_lock = threading.Lock()
 
 WARMING, READY, EAGER = 0, 1, 2
 _IN_PLACE = "argument written in place: capturing it at its address"
@@ -50,7 +51,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "graph", "static", "build", "pool", "nbytes", "device",
-        "backend",
+        "backend", "run",
     )
 
     def __init__(self) -> None:
@@ -64,6 +65,7 @@ class Entry:
         self.nbytes = 0
         self.device: torch.device | None = None
         self.backend: Any = None
+        self.run: Callable[[Any], Any] | None = None  # set once the entry is READY
 
 
 class Engine:
@@ -94,7 +96,7 @@ class Engine:
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         stats = self.stats
         stats.calls += 1
-        if _switch.maybe_disabled() and _switch.is_disabled():
+        if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             stats.count_eager("disabled", warn=False)
             return self.fn(*args, **kwargs)
         try:
@@ -108,8 +110,14 @@ class Engine:
             if inplace:
                 key = (base, tuple([flat.leaves[i].data_ptr() for i in inplace]))
         entry = self.entries.get(key)
-        if entry is not None and entry.state == READY:
-            return self._replay(key, entry, flat)
+        if entry is not None and entry.run is not None:
+            result = entry.run(flat.leaves)
+            stats.replays += 1
+            try:
+                self.entries.move_to_end(key)
+            except KeyError:  # evicted meanwhile by another thread
+                pass
+            return result
         if entry is None:
             entry = self._new_entry(key)
         if entry.state == EAGER:
@@ -121,7 +129,7 @@ class Engine:
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Flat, Any, Any]:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
-        if getattr(_local, "warming", 0):
+        if _warming.active and getattr(_local, "warming", 0):
             raise Uncapturable("called inside another graphed call's warmup or capture")
         flat = flatten(args, kwargs)
         parts, device = key_leaves(flat)
@@ -189,7 +197,7 @@ class Engine:
             if entry.state == READY:
                 self.stats.graphs -= 1
                 self.stats.graph_bytes -= entry.nbytes
-                entry.graph = entry.static = entry.build = None
+                entry.graph = entry.static = entry.build = entry.run = None
 
     def _rekey(self, key: Any, base: Any, entry: Entry, flat: Flat, inplace: set[int]) -> None:
         """Arguments at ``inplace`` are written by the function: key them by address."""
@@ -270,11 +278,7 @@ class Engine:
             entry.graph, entry.static, entry.device = graph, static, device
             entry.backend, entry.pool = backend, backend.pool(device)
             entry.build = output_builder(out, leaves, static, inplace, self.watch.storage_ptrs())
-            with entry.pool.lock:
-                backend.order_replay(device, entry.pool)
-                static.copy_in(leaves)
-                graph.replay()
-                result = entry.build(leaves)
+            result = _runner(entry)(leaves)
             missed = static.differing(leaves)
             if missed:
                 self._hand_back(key, base, entry, flat, leaves, missed)
@@ -311,6 +315,7 @@ class Engine:
         stats = self.stats
         with self.lock:
             entry.state = READY
+            entry.run = _runner(entry)
             entry.nbytes = nbytes
             stats.captures += 1
             stats.graphs += 1
@@ -331,30 +336,46 @@ class Engine:
 
     # -- replay --------------------------------------------------------------------
     def _replay(self, key: Any, entry: Entry, flat: Flat) -> Any:
-        """Copy in, replay, build the outputs.  Serialized per pool, since the graphs of
-        a pool share memory."""
-        leaves = flat.leaves
-        pool = entry.pool
-        with pool.lock:  # type: ignore[union-attr]
-            entry.backend.order_replay(entry.device, pool)
-            entry.static.copy_in(leaves)  # type: ignore[union-attr]
-            entry.graph.replay()
-            result = entry.build(leaves)  # type: ignore[misc]
+        result = entry.run(flat.leaves)  # type: ignore[misc]
         self.stats.replays += 1
-        try:
-            self.entries.move_to_end(key)
-        except KeyError:  # evicted meanwhile by another thread
-            pass
         return result
 
 
+def _runner(entry: Entry) -> Callable[[Any], Any]:
+    """The replay of a ready entry, with everything it needs bound: copy the arguments
+    in, replay, build the outputs.  Serialized per device, since the graphs of a pool
+    share memory and a capture must not overlap a replay."""
+    lock, pool, device = entry.pool.lock, entry.pool, entry.device  # type: ignore[union-attr]
+    order = entry.backend.order_replay
+    copy_in = entry.static.copy_in  # type: ignore[union-attr]
+    replay = entry.graph.replay
+    build = entry.build
+
+    def run(leaves: Any) -> Any:
+        with lock:
+            order(device, pool)
+            copy_in(leaves)
+            replay()
+            return build(leaves)  # type: ignore[misc]
+
+    return run
+
+
 class _warming:
-    """Marks this thread as inside a warmup or capture: nested graphed calls run eagerly."""
+    """Marks this thread as inside a warmup or capture: nested graphed calls run eagerly.
+
+    ``active`` counts such blocks in all threads, so the call path reads the
+    thread-local only while some thread is warming up."""
 
     __slots__ = ()
+    active = 0
 
     def __enter__(self) -> None:
+        with _count_lock:
+            _warming.active += 1
         _local.warming = getattr(_local, "warming", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
         _local.warming -= 1
+        with _count_lock:
+            _warming.active -= 1

@@ -105,7 +105,7 @@ class Watch:
         if self.dirty or self.stale:
             return False
         try:
-            if self._current_ptrs() != self._ptrs:
+            if list(map(_ptr, map(_getitem, self._holders, self._names))) != self._ptrs:
                 return False
         except (KeyError, TypeError, AttributeError):
             return False

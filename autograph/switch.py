@@ -25,11 +25,16 @@ _env_key = os.environ.encodekey(ENV_VAR) if _environ is not None else None  # ty
 _active = 0  # disabled() blocks open in any thread: the thread-local check is skipped at 0
 
 
-def maybe_disabled() -> bool:
-    """A cheap pre-check for the call path: False means certainly enabled."""
-    return bool(_active) or (
-        _environ.get(_env_key) is not None if _environ is not None else ENV_VAR in os.environ
-    )
+def _env_set_fallback() -> bool:
+    return ENV_VAR in os.environ
+
+
+# A cheap pre-check for the call path: False means the variable is certainly unset.
+env_set = (
+    (lambda: _environ.get(_env_key) is not None)  # type: ignore[union-attr]
+    if _environ is not None
+    else _env_set_fallback
+)
 
 
 def is_disabled() -> bool:

@@ -232,11 +232,14 @@ def test_threads_get_correct_separate_outputs():
     results, errors = [], []
 
     def worker(tid):
+        # inputs from a CPU generator: torch flags the CUDA generator as capturing for
+        # the whole process while any thread captures (see README)
+        gen = torch.Generator().manual_seed(tid)
         stream = torch.cuda.Stream() if tid % 2 else torch.cuda.current_stream()
         try:
             with torch.no_grad(), torch.cuda.stream(stream):
                 for step in range(30):
-                    x = torch.randn(1 + (tid + step) % 4, 64, device="cuda")
+                    x = torch.randn(1 + (tid + step) % 4, 64, generator=gen).cuda()
                     results.append((x, g(x), stream))
             stream.synchronize()
         except Exception as exc:  # pragma: no cover
@@ -388,3 +391,24 @@ def test_pool_outlives_graphs_that_die():
         assert autograph.stats(g)["replays"] == 1
         del g, model
         gc.collect()
+
+
+def test_out_of_memory_during_capture_falls_back():
+    @autograph.graphed(warmup=0)
+    def f(x):
+        if torch.cuda.is_current_stream_capturing():
+            torch.empty(1 << 48, device="cuda")  # far more than any GPU has
+        return x + 1
+
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, device="cuda")
+            torch.testing.assert_close(f(x), x + 1)
+    reasons = autograph.stats(f)["eager_reasons"]
+    assert any("OutOfMemoryError" in r for r in reasons), reasons
+    ok = autograph.graphed(lambda x: x - 1, warmup=0)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(4, device="cuda")
+            torch.testing.assert_close(ok(x), x - 1)
+    assert autograph.stats(ok)["replays"] == 1

@@ -8,7 +8,8 @@ Contract of a backend:
 
 * ``accepts(device)``: whether calls on this device can be graphed here.
 * ``is_capturing(device)``: whether the calling thread's current stream is capturing
-  (then a graphed call must run eagerly: it becomes part of the outer capture).
+  (then a graphed call must run eagerly: it becomes part of the outer capture);
+  ``capturing(device)`` returns that check as a cheap zero-argument callable.
 * ``warmup(device)``: a context manager for eager warmup runs, on the stream the
   capture will use (cuBLAS/cuDNN workspaces are per stream).
 * ``capture(device, fn)``: capture ``fn()`` into a new graph in the device's shared
@@ -59,6 +60,7 @@ class Pool:
 class Backend(Protocol):
     def accepts(self, device: torch.device) -> bool: ...
     def is_capturing(self, device: torch.device) -> bool: ...
+    def capturing(self, device: torch.device) -> Callable[[], bool]: ...
     def warmup(self, device: torch.device) -> contextlib.AbstractContextManager[None]: ...
     def capture(self, device: torch.device, fn: Callable[[], T]) -> tuple[Graph, T]: ...
     def memory_reserved(self, device: torch.device) -> int: ...
@@ -84,7 +86,10 @@ class CudaBackend:
         return device.type == "cuda" and torch.cuda.is_available()
 
     def is_capturing(self, device: torch.device) -> bool:
-        return _stream_capturing()
+        return bool(_stream_capturing())
+
+    def capturing(self, device: torch.device) -> Callable[[], bool]:
+        return _stream_capturing  # type: ignore[no-any-return]
 
     def _stream(self, index: int) -> torch.cuda.Stream:
         with self._lock:

@@ -22,7 +22,7 @@ from . import capture as _capture
 from . import switch as _switch
 from .buffers import StaticInputs, output_builder
 from .guards import Watch, running
-from .keys import Flat, Uncapturable, flatten, key_leaves
+from .keys import Flat, Uncapturable, key_call
 from .mutation import WriteRecorder, watch_map
 from .options import Options
 from .stats import Stats
@@ -91,6 +91,7 @@ class Engine:
         self.entries: OrderedDict[Any, Entry] = OrderedDict()
         self.inplace: dict[Any, tuple[int, ...]] = {}
         self.lock = threading.Lock()
+        self._device: tuple[Any, Any, Callable[[], bool]] = (None, None, bool)
 
     # -- the call ------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -131,14 +132,13 @@ class Engine:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
         if _warming.active and getattr(_local, "warming", 0):
             raise Uncapturable("called inside another graphed call's warmup or capture")
-        flat = flatten(args, kwargs)
-        parts, device = key_leaves(flat)
+        flat, parts, device = key_call(args, kwargs)
         if device is None:
             raise Uncapturable("no tensor arguments")
-        backend = _capture.backend_for(device)
-        if backend is None:
-            raise Uncapturable(f"inputs on {device.type}, not on a device that can be graphed")
-        if backend.is_capturing(device):
+        last = self._device
+        if last[0] != device:
+            last = self._device = self._find_backend(device)
+        if last[2]():
             raise Uncapturable("called while the current stream is capturing")
         watch = self.watch
         if not watch.ok():
@@ -153,7 +153,15 @@ class Engine:
                  _autocast(dtype) and torch.get_autocast_dtype(dtype), _matmul_precision())
         if modes[0] and self._autograd_records(flat):
             raise Uncapturable("autograd would record this call (use torch.no_grad())")
-        return flat, (flat.structure, parts, modes, self.training()), backend
+        return flat, (flat.structure, parts, modes, self.training()), last[1]
+
+    @staticmethod
+    def _find_backend(device: torch.device) -> tuple[Any, Any, Callable[[], bool]]:
+        """(device, its backend, the backend's is-capturing probe), cached per engine."""
+        backend = _capture.backend_for(device)
+        if backend is None:
+            raise Uncapturable(f"inputs on {device.type}, not on a device that can be graphed")
+        return device, backend, backend.capturing(device)
 
     def _autograd_records(self, flat: Flat) -> bool:
         leaves = flat.leaves
@@ -347,9 +355,22 @@ def _runner(entry: Entry) -> Callable[[Any], Any]:
     share memory and a capture must not overlap a replay."""
     lock, pool, device = entry.pool.lock, entry.pool, entry.device  # type: ignore[union-attr]
     order = entry.backend.order_replay
-    copy_in = entry.static.copy_in  # type: ignore[union-attr]
     replay = entry.graph.replay
-    build = entry.build
+    static, build = entry.static, entry.build
+    single = getattr(build, "single_output", None)
+    if single is not None and len(static.positions) == 1:  # type: ignore[union-attr]
+        # one tensor in, one tensor out: the common case, with no call in between
+        pos, copy, clone = static.positions[0], static.buffers[0].copy_, single.clone  # type: ignore[union-attr]
+
+        def run_one(leaves: Any) -> Any:
+            with lock:
+                order(device, pool)
+                copy(leaves[pos])
+                replay()
+                return clone()
+
+        return run_one
+    copy_in = static.copy_in  # type: ignore[union-attr]
 
     def run(leaves: Any) -> Any:
         with lock:

@@ -124,11 +124,17 @@ def _tensor_reason(x: torch.Tensor) -> str:
     return f"{x.layout} tensor argument"
 
 
-def key_leaves(flat: Flat) -> tuple[tuple[Any, ...], torch.device | None]:
-    """The keys of all leaves and the one device of the tensors (None without any).
+def key_call(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Flat, tuple[Any, ...], torch.device | None]:
+    """Flatten a call and key its leaves: ``(flat, leaf keys, the tensors' one device)``.
 
     A tensor is keyed by shape, strides, dtype, device and ``requires_grad``.
     """
+    if not kwargs and all(map(_FLAT, map(type, args))):
+        flat = Flat(args, len(args), len(args), (), None)
+    else:
+        flat = flatten(args, kwargs)
     parts = []
     device = None
     for x in flat.leaves:
@@ -147,4 +153,4 @@ def key_leaves(flat: Flat) -> tuple[tuple[Any, ...], torch.device | None]:
             parts.append(part)
         else:
             parts.append(leaf_key(x))
-    return tuple(parts), device
+    return flat, tuple(parts), device

@@ -119,6 +119,9 @@ class StandinBackend:
     def is_capturing(self, device: torch.device) -> bool:
         return getattr(self._local, "capturing", False)
 
+    def capturing(self, device: torch.device) -> Callable[[], bool]:
+        return lambda: self.is_capturing(device)
+
     @contextlib.contextmanager
     def warmup(self, device: torch.device) -> Iterator[None]:
         yield

@@ -46,13 +46,13 @@ def test_standin_catches_a_forgotten_copy(monkeypatch):
     monkeypatch.setattr(StaticInputs, "copy_in", lambda self, leaves: None)
 
     @autograph.graphed(warmup=0)
-    def f(x):
-        return x + 1
+    def f(x, y):
+        return x + y
 
     with torch.no_grad():
-        f(torch.zeros(3))
-        out = f(torch.ones(3))
-    assert torch.equal(out, torch.ones(3))  # stale: the graph read the old buffer
+        f(torch.zeros(3), torch.ones(3))
+        out = f(torch.ones(3), torch.ones(3))
+    assert torch.equal(out, torch.ones(3))  # stale: the graph read the old buffers
 
 
 def test_fresh_random_inputs_equal_eager():

@@ -193,7 +193,7 @@ class CudaBackend:
 
 # (stream id, device index, device type) of the current stream, without making a
 # Python ``Stream`` object on every replay.
-_current_stream = getattr(torch._C, "_cuda_getCurrentStream", None)
+_current_stream: Any = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 def _stream_of(key: tuple[int, int, int]) -> torch.cuda.Stream:

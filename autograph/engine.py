@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import capture as _capture
 from . import switch as _switch
 from .buffers import StaticInputs, output_builder
+from .capture import Backend, Pool, backend_for
 from .guards import Watch, running
 from .keys import Flat, Uncapturable, key_call
 from .mutation import WriteRecorder, watch_map
@@ -61,7 +61,7 @@ class Entry:
         self.graph: Any = None
         self.static: StaticInputs | None = None
         self.build: Callable[[list[Any]], Any] | None = None
-        self.pool: _capture.Pool | None = None
+        self.pool: Pool | None = None
         self.nbytes = 0
         self.device: torch.device | None = None
         self.backend: Any = None
@@ -158,7 +158,7 @@ class Engine:
     @staticmethod
     def _find_backend(device: torch.device) -> tuple[Any, Any, Callable[[], bool]]:
         """(device, its backend, the backend's is-capturing probe), cached per engine."""
-        backend = _capture.backend_for(device)
+        backend = backend_for(device)
         if backend is None:
             raise Uncapturable(f"inputs on {device.type}, not on a device that can be graphed")
         return device, backend, backend.capturing(device)
@@ -233,10 +233,10 @@ class Engine:
 
     # -- warmup --------------------------------------------------------------------
     def _warm(self, key: Any, base: Any, entry: Entry, flat: Flat,
-              backend: _capture.Backend) -> Any:
+              backend: Backend) -> Any:
         device = flat.leaves[flat.tensor_pos[0]].device
-        args, kwargs = flat.rebuild(flat.leaves)
-        recorder = WriteRecorder(watch_map(flat.leaves, flat.tensor_pos)) if entry.runs == 0 \
+        args, kwargs = flat.rebuild(list(flat.leaves))
+        recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos)) if entry.runs == 0 \
             else None
         watch = self.watch
         watch.assigned = None
@@ -261,7 +261,7 @@ class Engine:
 
     # -- capture -------------------------------------------------------------------
     def _capture(self, key: Any, base: Any, entry: Entry, flat: Flat,
-                 backend: _capture.Backend) -> Any:
+                 backend: Backend) -> Any:
         """Capture the call, replay it once for its result, and keep the graph."""
         leaves = list(flat.leaves)
         device = leaves[flat.tensor_pos[0]].device
@@ -296,7 +296,7 @@ class Engine:
         return result
 
     def _record(self, flat: Flat, static: StaticInputs, device: torch.device,
-                backend: _capture.Backend) -> tuple[Any, Any, set[int]]:
+                backend: Backend) -> tuple[Any, Any, set[int]]:
         """Capture ``fn`` on the static buffers; also report which of them it writes."""
         leaves = static.substitute(list(flat.leaves))
         args, kwargs = flat.rebuild(leaves)
@@ -335,7 +335,7 @@ class Engine:
 
     def _capture_failed(self, entry: Entry, flat: Flat, exc: Exception) -> Any:
         """Run the call eagerly; if eager succeeds, the key stays eager for good."""
-        out = self._eager(*flat.rebuild(flat.leaves))  # the user's own error propagates
+        out = self._eager(*flat.rebuild(list(flat.leaves)))  # the user's own error propagates
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = f"capture failed: {type(exc).__name__}: {first}"[:200]
         self._give_up(entry, reason)

@@ -39,7 +39,7 @@ from torch import nn
 _Module = nn.Module
 _SCALARS = (bool, int, float, str, type(None))
 _MISSING = object()
-_ptr = torch.Tensor.data_ptr
+_ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 _getitem = operator.getitem
 
 # id(module) -> the watches whose trees contain it

@@ -12,7 +12,7 @@ import copy
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, SupportsIndex
 
 import wrapt
 from torch import nn
@@ -159,7 +159,7 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
     def __deepcopy__(self, memo: dict[int, Any]) -> GraphedModule:
         return GraphedModule(copy.deepcopy(self.__wrapped__, memo), self._self_options)
 
-    def __reduce_ex__(self, protocol: int) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return (_rewrap, (self.__wrapped__, self._self_options))
 
 

@@ -10,13 +10,21 @@ rebuilt as the same view of the caller's tensor, as eager mode would return them
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from .keys import Uncapturable
 from .mutation import storage_ptr
+
+# non-tensor outputs that a replay may hand back as they were at capture
+_CONSTANT_OUTPUTS = (
+    type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+    torch.memory_format, enum.Enum, type(Ellipsis),
+)
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
@@ -127,6 +135,13 @@ def _leaf_maker(
     value: Any, arg_storage: dict[int, tuple[int, torch.Tensor]], persistent: set[int]
 ) -> Callable[[list[Any]], Any]:
     if not isinstance(value, torch.Tensor):
+        if not isinstance(value, _CONSTANT_OUTPUTS):
+            # an object pytree does not open may hold tensors of the pool, which the
+            # next replay would overwrite: such a call cannot be graphed
+            raise Uncapturable(
+                f"output of type {type(value).__qualname__} is not a tensor, a constant or "
+                "a pytree container (register it with torch.utils._pytree)"
+            )
         return lambda _leaves: value
     ptr = storage_ptr(value)
     if ptr in arg_storage:

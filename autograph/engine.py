@@ -283,9 +283,14 @@ class Engine:
                 self._rekey(key, base, entry, flat, written)
                 self.stats.count_eager(_IN_PLACE, warn=False)
                 return self._eager(*flat.rebuild(leaves))
+            try:
+                build = output_builder(out, leaves, static, inplace, self.watch.storage_ptrs())
+            except Uncapturable as exc:  # the graph could not hand its outputs back safely
+                self._give_up(entry, str(exc))
+                self.stats.count_eager(entry.reason)
+                return self._eager(*flat.rebuild(leaves))
             entry.graph, entry.static, entry.device = graph, static, device
-            entry.backend, entry.pool = backend, backend.pool(device)
-            entry.build = output_builder(out, leaves, static, inplace, self.watch.storage_ptrs())
+            entry.backend, entry.pool, entry.build = backend, backend.pool(device), build
             result = _runner(entry)(leaves)
             missed = static.differing(leaves)
             if missed:

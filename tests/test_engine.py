@@ -310,3 +310,21 @@ def test_nan_inputs_are_not_mistaken_for_writes():
             x = torch.tensor([1.0, float("nan")])
             torch.testing.assert_close(f(x), torch.tensor([2.0, 1.0]))
     assert stats_of(f)["replays"] == 2
+
+
+def test_outputs_pytree_cannot_open_run_eagerly():
+    class Box:  # not a registered pytree node: it would smuggle pool tensors out
+        def __init__(self, t):
+            self.t = t
+
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return Box(x * 2)
+
+    with torch.no_grad():
+        boxes = [f(torch.full((2,), float(i))) for i in range(3)]
+    for i, box in enumerate(boxes):
+        torch.testing.assert_close(box.t, torch.full((2,), 2.0 * i))
+    s = stats_of(f)
+    assert s["captures"] == 0 and s["eager"] == 3
+    assert any("output of type" in r and "Box" in r for r in s["eager_reasons"])

@@ -8,6 +8,7 @@ Public API::
     autograph.stats()                         # what happened, per graphed callable
     autograph.reset(obj=None)                 # drop graphs by hand
     with autograph.disabled(): ...            # eager everywhere (also AUTOGRAPH_DISABLE=1)
+    with autograph.capture_region(): ...      # graph the module calls made in a block
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from typing import Any, TypeVar, overload
 
 from . import stats as _stats
 from .options import Options
+from .region import Region
 from .switch import disabled
 from .wrappers import reset, wrap
 from .wrappers import stats_of as _stats_of
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "disabled", "graphed", "reset", "stats"]
+__all__ = ["__version__", "capture_region", "disabled", "graphed", "reset", "stats"]
 
 F = TypeVar("F")
 
@@ -55,6 +57,25 @@ def graphed(obj: Any = None, /, *, warmup: int = 2, max_graphs: int = 32) -> Any
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
+
+
+def capture_region(*, warmup: int = 2, max_graphs: int = 32) -> Region:
+    """Graph the module calls made inside a block, without touching the model.
+
+    Inside ``with autograph.capture_region(**options) as region:``, in the thread that
+    entered it, every top-level ``nn.Module`` call (one not made from inside another
+    module's call) runs through autograph as if the instance had been wrapped with
+    :func:`graphed`; its submodule calls become part of its graph.  Graphs belong to the
+    module instance, so a later region replays them.  Regions nest (the inner options
+    win); a module wrapped with :func:`graphed`, or whose forward is decorated, keeps
+    its own options; the kill switch wins over any region.  Outside the block and in
+    other threads modules run as before, and nothing stays patched once the last
+    region has exited.  Also usable as a decorator; ``region.stats()`` reports the calls
+    made inside it.
+
+    Args: the options of :func:`graphed`.
+    """
+    return Region(Options(warmup=warmup, max_graphs=max_graphs))
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ class Stats:
         "graphs",
         "evictions",
         "invalidations",
+        "last_reason",
         "_warned",
         "__weakref__",
     )
@@ -58,12 +59,14 @@ class Stats:
         self.graphs = 0
         self.evictions = 0
         self.invalidations = 0
+        self.last_reason = ""
         self._warned: set[str] = set()
 
     def count_eager(self, reason: str, *, warn: bool = True) -> None:
         """Count one eager call; log each new reason once at WARNING."""
         self.eager += 1
         self.eager_reasons[reason] += 1
+        self.last_reason = reason
         if warn and reason not in self._warned:
             self._warned.add(reason)
             logger.warning("%s: running eagerly: %s", self.name, reason)

@@ -21,6 +21,7 @@ from . import stats as _stats
 from .engine import Engine
 from .guards import Watch
 from .options import Options
+from .region import nested
 
 # every live engine, for autograph.reset()
 _engines: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -37,6 +38,27 @@ def _make_engine(fn: Callable[..., Any], options: Options, name: str,
 
 def _no_training() -> None:
     return None
+
+
+def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., Any],
+                       weak: bool) -> Engine:
+    """The engine that graphs calls of a module instance (its forward and hooks).
+
+    ``weak``: hold the module by a weak reference only (region engines, which must not
+    keep their module alive); a wrapper holds it anyway.
+    """
+    ref: Callable[[], nn.Module | None] = weakref.ref(module) if weak else (lambda: module)
+
+    def roots() -> list[nn.Module]:
+        m = ref()
+        return [m] if m is not None else []
+
+    def training() -> bool | None:
+        m = ref()
+        return m.training if m is not None else None
+
+    forward = getattr(type(module), "forward", None)
+    return _make_engine(fn, options, type(module).__qualname__, roots, forward, True, training)
 
 
 class _Dispatch:
@@ -136,12 +158,9 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
 
     def __init__(self, module: nn.Module, options: Options) -> None:
         super().__init__(module)
-        forward = getattr(type(module), "forward", None)
         self._self_options = options
-        self._self_engine = _make_engine(
-            module.__call__, options, type(module).__qualname__, lambda: [module], forward,
-            True, lambda: module.training,
-        )
+        # the module's calls made by this engine are not top-level calls for a region
+        self._self_engine = make_module_engine(module, options, nested(module), weak=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_engine(args, kwargs)

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 
 def test_public_names():
-    assert set(autograph.__all__) == {"__version__", "disabled", "graphed", "reset", "stats"}
+    assert set(autograph.__all__) == {
+        "__version__", "capture_region", "disabled", "graphed", "reset", "stats"
+    }
 
 
 def test_bare_decorator_keeps_name_doc_signature():

@@ -1,0 +1,223 @@
+"""capture_region(): scoping rules, proved on the CPU stand-in."""
+
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+from autograph import region as region_mod
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+ORIGINAL_CALL = nn.Module.__call__
+
+
+def one(stats):
+    """The counters of the only module a region saw."""
+    (value,) = stats.values()
+    return value
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def run(model, n=4, batch=2):
+    """Call ``model`` n times; its outputs are checked against eager after the block."""
+    pairs = []
+    with torch.no_grad():
+        for _ in range(n):
+            x = torch.randn(batch, 4)
+            pairs.append((x, model(x)))
+    _pending.append((model, pairs))
+
+
+_pending = []
+
+
+@pytest.fixture(autouse=True)
+def outputs_equal_eager():
+    """Every output a test produced equals eager, computed outside any region."""
+    _pending.clear()
+    yield
+    assert nn.Module.__call__ is ORIGINAL_CALL
+    with torch.no_grad(), autograph.disabled():
+        for model, pairs in _pending:
+            for x, out in pairs:
+                torch.testing.assert_close(out, model(x))
+
+
+def test_top_level_calls_are_graphed_and_submodules_are_part_of_the_graph():
+    model = mlp()
+    with autograph.capture_region() as region:
+        run(model, 5)
+    s = region.stats()
+    assert [n.split("#")[0] for n in s] == ["Sequential"]  # Linear/ReLU: inside its graph
+    assert (one(s)["captures"], one(s)["replays"]) == (1, 2)
+    assert nn.Module.__call__ is ORIGINAL_CALL
+
+
+def test_graphs_belong_to_the_module_and_outlive_the_region():
+    model = mlp()
+    with autograph.capture_region():
+        run(model, 3)
+    with autograph.capture_region() as second:
+        run(model, 3)
+    s = one(second.stats())
+    assert (s["captures"], s["replays"], s["eager"]) == (0, 3, 0)
+
+
+def test_outside_the_region_modules_run_as_before():
+    model = mlp()
+    with autograph.capture_region() as region:
+        run(model, 3)
+    run(model, 3)  # outside: plain module calls
+    assert one(region.stats())["calls"] == 3
+    assert autograph.stats()[next(iter(region.stats()))]["calls"] == 3
+
+
+def test_nested_regions_inner_options_win():
+    a, b = mlp(), mlp()
+    with autograph.capture_region(warmup=5):
+        with autograph.capture_region(warmup=0) as inner:
+            run(a, 2)
+        assert nn.Module.__call__ is not ORIGINAL_CALL  # the outer region is still open
+        run(b, 2)
+    assert one(inner.stats())["captures"] == 1  # captured on the first call
+    assert nn.Module.__call__ is ORIGINAL_CALL
+
+
+def test_graphed_modules_keep_their_own_options():
+    g = autograph.graphed(mlp(), warmup=0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        @autograph.graphed(warmup=0)
+        def forward(self, x):
+            return self.fc(x)
+
+    net = Net()
+    with autograph.capture_region(warmup=3) as region:
+        run(g, 2)
+        run(net, 2)
+    assert region.stats() == {}
+    assert autograph.stats(g)["captures"] == 1
+    assert autograph.stats(net)["captures"] == 1
+
+
+def test_kill_switch_wins(monkeypatch):
+    model = mlp()
+    with autograph.capture_region(warmup=0) as region, autograph.disabled():
+        run(model, 2)
+    monkeypatch.setenv("AUTOGRAPH_DISABLE", "1")
+    with autograph.capture_region(warmup=0):
+        run(model, 2)
+    s = one(region.stats())
+    assert s["captures"] == 0 and s["eager_reasons"] == {"disabled": 2}
+
+
+def test_exception_in_the_block_restores_everything():
+    model = mlp()
+    with pytest.raises(ValueError, match="boom"):
+        with autograph.capture_region():
+            run(model, 1)
+            raise ValueError("boom")
+    assert nn.Module.__call__ is ORIGINAL_CALL
+    assert not getattr(region_mod._local, "regions", [])
+
+
+def test_other_threads_are_not_affected():
+    model, other = mlp(), mlp()
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        inside.wait()
+        run(other, 3)  # while the main thread is inside a region
+        seen["engines"] = id(other) in region_mod._engines
+        done.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    with autograph.capture_region() as region:
+        inside.set()
+        done.wait(10)
+        run(model, 3)
+    t.join()
+    assert seen["engines"] is False
+    assert one(region.stats())["calls"] == 3
+
+
+def test_works_as_a_decorator():
+    model = mlp()
+    region = autograph.capture_region(warmup=1)
+
+    @region
+    def serve(x):
+        """Serve one batch."""
+        return model(x)
+
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(serve(x), model(x))
+    assert serve.__doc__ == "Serve one batch."
+    s = one(region.stats())
+    assert (s["calls"], s["captures"], s["replays"]) == (4, 1, 2)
+    assert nn.Module.__call__ is ORIGINAL_CALL
+
+
+def test_garbage_collected_modules_take_their_graphs():
+    model = mlp()
+    with torch.no_grad(), autograph.capture_region():
+        for _ in range(3):
+            model(torch.randn(2, 4))
+    key = id(model)
+    assert key in region_mod._engines
+    del model
+    gc.collect()
+    assert key not in region_mod._engines
+
+
+def test_cache_objects_run_eagerly_and_pytree_containers_count_as_tensors():
+    class Cache:
+        def __init__(self):
+            self.steps = 0
+
+    class WithCache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, cache):
+            cache.steps += 1
+            return self.fc(x) + cache.steps
+
+    class WithDict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, batch):
+            return {"y": self.fc(batch["x"]) * batch["scale"]}
+
+    m1, m2, cache = WithCache(), WithDict(), Cache()
+    results = []
+    with torch.no_grad(), autograph.capture_region() as region:
+        for _ in range(4):
+            x, s = torch.randn(2, 4), torch.randn(2, 1)
+            results.append((x, s, m1(x, cache), m2({"x": x, "scale": s})["y"]))
+    with torch.no_grad():
+        for i, (x, s, y1, y2) in enumerate(results):
+            torch.testing.assert_close(y1, m1.fc(x) + (i + 1))
+            torch.testing.assert_close(y2, m2.fc(x) * s)
+    stats = {name.split("#")[0].rsplit(".")[-1]: v for name, v in region.stats().items()}
+    assert stats["WithCache"]["captures"] == 0
+    assert any("Cache cannot be keyed" in r for r in stats["WithCache"]["eager_reasons"])
+    assert (stats["WithDict"]["captures"], stats["WithDict"]["replays"]) == (1, 1)

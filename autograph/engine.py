@@ -9,11 +9,12 @@ replay, clone out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -307,7 +308,7 @@ class Engine:
         args, kwargs = flat.rebuild(leaves)
         recorder = WriteRecorder(watch_map(leaves, tuple(static.positions)))
         self.watch.assigned = None
-        with _warming(), running(self.watch), recorder:
+        with _warming(), running(self.watch), recorder, _no_autocast_cache():
             graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
         return graph, out, recorder.written
 
@@ -385,6 +386,19 @@ def _runner(entry: Entry) -> Callable[[Any], Any]:
             return build(leaves)  # type: ignore[misc]
 
     return run
+
+
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """No autocast cache during a capture: a weight cast cached by an earlier eager call
+    would be read by the graph from memory the cache frees when its autocast block ends;
+    uncached, the cast is captured and redone on every replay."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 class _warming:

@@ -412,3 +412,24 @@ def test_out_of_memory_during_capture_falls_back():
             x = torch.randn(4, device="cuda")
             torch.testing.assert_close(ok(x), x - 1)
     assert autograph.stats(ok)["replays"] == 1
+
+
+def test_autocast_block_around_warmup_and_capture_does_not_leave_stale_casts():
+    """Under one autocast block, warmup casts the weights into the autocast cache; a
+    graph that read those cached casts would read freed memory once the block ends."""
+    model = mlp(64, 3).cuda().eval()
+    g = autograph.graphed(model)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        for _ in range(4):
+            g(torch.randn(8, 64, device="cuda"))
+    torch.cuda.empty_cache()
+    junk = [torch.randn(64, 64, device="cuda", dtype=torch.float16) for _ in range(64)]
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # an in-place update must be seen, too
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.float16):
+                x = torch.randn(8, 64, device="cuda")
+                out, expect = g(x), model(x)
+            torch.testing.assert_close(out, expect, **FP16)
+    assert autograph.stats(g)["replays"] >= 3
+    del junk

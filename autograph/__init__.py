@@ -13,7 +13,7 @@ Public API::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 from . import stats as _stats
@@ -32,10 +32,28 @@ F = TypeVar("F")
 @overload
 def graphed(obj: F, /) -> F: ...
 @overload
-def graphed(*, warmup: int = 2, max_graphs: int = 32) -> Callable[[F], F]: ...
+def graphed(
+    *,
+    warmup: int = 2,
+    max_graphs: int = 32,
+    max_graph_memory: int | None = None,
+    buckets: Sequence[int] | None = None,
+    batch_dims: Mapping[str | int, int | None] | None = None,
+    pad_values: Mapping[str | int, Any] | None = None,
+) -> Callable[[F], F]: ...
 
 
-def graphed(obj: Any = None, /, *, warmup: int = 2, max_graphs: int = 32) -> Any:
+def graphed(
+    obj: Any = None,
+    /,
+    *,
+    warmup: int = 2,
+    max_graphs: int = 32,
+    max_graph_memory: int | None = None,
+    buckets: Sequence[int] | None = None,
+    batch_dims: Mapping[str | int, int | None] | None = None,
+    pad_values: Mapping[str | int, Any] | None = None,
+) -> Any:
     """Run a function, method or module through CUDA graphs, one per input key.
 
     Use it bare (``@autograph.graphed``), with keyword options
@@ -52,14 +70,35 @@ def graphed(obj: Any = None, /, *, warmup: int = 2, max_graphs: int = 32) -> Any
         warmup: eager runs of a new key before its capture (default 2, at least 0).
         max_graphs: graphs kept per callable; past it the least recently used are
             freed (default 32).
+        max_graph_memory: bytes of graph memory (measured at capture) kept per callable;
+            the least recently used graphs are freed to stay under it, and a graph that
+            alone needs more runs eagerly.  None (default): no bound.
+        buckets: batch sizes to capture, e.g. ``[1, 2, 4, 8, 16]``.  A call whose batch
+            is not a bucket is padded up to the next one and its outputs sliced back;
+            a larger batch runs eagerly.  None (default): one graph per exact shape.
+        batch_dims: per argument name (or position), the dimension carrying the batch,
+            or None for an argument that does not carry it.  Default: dim 0 of every
+            tensor argument that the function does not write in place.
+        pad_values: per argument name (or position), the value of padded rows
+            (default 0).
     """
-    options = Options(warmup=warmup, max_graphs=max_graphs)
+    options = Options(warmup, max_graphs, max_graph_memory,
+                      tuple(buckets) if buckets is not None else None,
+                      batch_dims or {}, pad_values or {})
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
 
 
-def capture_region(*, warmup: int = 2, max_graphs: int = 32) -> Region:
+def capture_region(
+    *,
+    warmup: int = 2,
+    max_graphs: int = 32,
+    max_graph_memory: int | None = None,
+    buckets: Sequence[int] | None = None,
+    batch_dims: Mapping[str | int, int | None] | None = None,
+    pad_values: Mapping[str | int, Any] | None = None,
+) -> Region:
     """Graph the module calls made inside a block, without touching the model.
 
     Inside ``with autograph.capture_region(**options) as region:``, in the thread that
@@ -75,7 +114,9 @@ def capture_region(*, warmup: int = 2, max_graphs: int = 32) -> Region:
 
     Args: the options of :func:`graphed`.
     """
-    return Region(Options(warmup=warmup, max_graphs=max_graphs))
+    return Region(Options(warmup, max_graphs, max_graph_memory,
+                          tuple(buckets) if buckets is not None else None,
+                          batch_dims or {}, pad_values or {}))
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from . import switch as _switch
+from .buckets import Bucketer
 from .buffers import StaticInputs, output_builder
 from .capture import Backend, Pool, backend_for
 from .guards import Watch, running
@@ -83,16 +85,40 @@ class Engine:
         stats: Stats,
         watch: Watch,
         training: Callable[[], bool | None],
+        names: list[str] | None = None,
     ) -> None:
         self.fn = fn
-        self.options = options
         self.stats = stats
         self.watch = watch
         self.training = training
+        self.names = names or []
         self.entries: OrderedDict[Any, Entry] = OrderedDict()
         self.inplace: dict[Any, tuple[int, ...]] = {}
         self.lock = threading.Lock()
         self._device: tuple[Any, Any, Callable[[], bool]] = (None, None, bool)
+        self.options = options
+        # what callers call instead of the engine when buckets are on (holds the engine
+        # weakly, so an engine and its graphs die without waiting for the cycle collector)
+        self.front: Bucketer | None = None
+        if options.buckets:
+            self.set_options(options, force=True)
+
+    def set_options(self, options: Options, force: bool = False) -> None:
+        """Use these options from the next call on (a region passes its own)."""
+        if options is self.options and not force:
+            return
+        self.options = options
+        if options.buckets:
+            me = weakref.proxy(self)
+            self.front = Bucketer(options, me, lambda a, k: me._eager(a, k), self.stats,
+                                  self.names, lambda: me._module_state())
+        else:
+            self.front = None
+
+    def _module_state(self) -> list[torch.Tensor]:
+        if self.watch.stale:
+            self.watch.refresh()
+        return list(self.watch.tensors())
 
     # -- the call ------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -186,9 +212,15 @@ class Engine:
     def _trim(self) -> None:
         """Evict least recently used entries: ready graphs past ``max_graphs``, and any
         entries past a bound that keeps ever-new keys from growing the dict."""
-        limit = self.options.max_graphs
-        ready = [k for k, e in self.entries.items() if e.state == READY]
-        evict = ready[: max(0, len(ready) - limit)]
+        limit, budget = self.options.max_graphs, self.options.max_graph_memory
+        ready = [(k, e.nbytes) for k, e in self.entries.items() if e.state == READY]
+        total = sum(n for _, n in ready)
+        evict: list[Any] = []
+        for k, n in ready[:-1]:  # oldest first; the newest graph is the one just kept
+            if len(ready) - len(evict) <= limit and (budget is None or total <= budget):
+                break
+            evict.append(k)
+            total -= n
         self._drop(evict)
         self.stats.evictions += len(evict)
         excess = len(self.entries) - 8 * limit - 64
@@ -298,6 +330,12 @@ class Engine:
                 self._hand_back(key, base, entry, flat, leaves, missed)
                 return result
             nbytes = max(0, backend.memory_reserved(device) - before) + static.nbytes()
+            budget = self.options.max_graph_memory
+            if budget is not None and nbytes > budget:
+                entry.graph = entry.static = entry.build = None
+                self._give_up(entry, f"graph needs {nbytes} bytes, over max_graph_memory")
+                self.stats.count_eager(entry.reason)
+                return result
             self._keep(entry, time.perf_counter() - start, nbytes)
         return result
 

@@ -24,6 +24,27 @@ def storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+# Operators that write arguments their schema does not mark as written (``Tensor?``
+# where ``Tensor(a!)?`` is meant): argument positions written when ``training`` is set.
+_aten = torch.ops.aten
+UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
+    _aten.native_batch_norm.default: (3, 4),
+}
+
+
+def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """The argument values ``func`` writes: those its schema marks ``(a!)``, and the
+    known undeclared ones."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(args[i] if i < len(args) else kwargs.get(arg.name))
+    undeclared = UNDECLARED_WRITES.get(func)
+    if undeclared and len(args) > 5 and args[5]:  # training
+        out.extend(args[i] for i in undeclared)
+    return out
+
+
 class WriteRecorder(TorchDispatchMode):
     """Records which of the watched storages an operator writes.
 
@@ -41,10 +62,7 @@ class WriteRecorder(TorchDispatchMode):
     ) -> Any:
         kwargs = kwargs or {}
         if self.watched:
-            for i, arg in enumerate(func._schema.arguments):
-                if arg.alias_info is None or not arg.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for value in written_args(func, args, kwargs):
                 self._note(value)
         return func(*args, **kwargs)
 

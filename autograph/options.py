@@ -1,8 +1,15 @@
-"""Options of ``autograph.graphed``, validated once when the wrapper is made."""
+"""Options of ``autograph.graphed`` and ``capture_region``, validated when given."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"autograph: {name} must be an int >= {low}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -13,19 +20,43 @@ class Options:
         lazy initialisation (cuBLAS handles, autotuning, workspaces) happens outside
         the capture.
     max_graphs: live graphs kept per callable; past it the least recently used go.
+    max_graph_memory: bytes of graph memory (measured at capture) kept per callable;
+        past it the least recently used graphs go, and a graph that alone needs more
+        is not kept (the call runs eagerly).  None: no bound.
+    buckets: batch sizes to capture; a call whose batch is not one of them is padded
+        up to the next one and its outputs sliced back.  None: one graph per shape.
+    batch_dims: per argument (name or position), the dimension that carries the
+        batch, or None for an argument that does not carry it.  Unlisted tensor
+        arguments carry it in dim 0, except those the function writes in place.
+    pad_values: per argument (name or position), the value padded rows are filled with
+        (default 0).
     """
 
     warmup: int = 2
     max_graphs: int = 32
+    max_graph_memory: int | None = None
+    buckets: tuple[int, ...] | None = None
+    batch_dims: Mapping[str | int, int | None] = field(default_factory=dict)
+    pad_values: Mapping[str | int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
-            raise ValueError(f"autograph: warmup must be an int >= 0, got {self.warmup!r}")
-        if (
-            not isinstance(self.max_graphs, int)
-            or isinstance(self.max_graphs, bool)
-            or self.max_graphs < 1
-        ):
-            raise ValueError(
-                f"autograph: max_graphs must be an int >= 1, got {self.max_graphs!r}"
-            )
+        _int_at_least("warmup", self.warmup, 0)
+        _int_at_least("max_graphs", self.max_graphs, 1)
+        if self.max_graph_memory is not None:
+            _int_at_least("max_graph_memory", self.max_graph_memory, 1)
+        if self.buckets is not None:
+            sizes = self.buckets
+            if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
+                raise ValueError(
+                    f"autograph: buckets must be a non-empty list of batch sizes, got {sizes!r}"
+                )
+            for size in sizes:
+                _int_at_least("every bucket", size, 1)
+            object.__setattr__(self, "buckets", tuple(sorted(set(sizes))))
+        for name, mapping in (("batch_dims", self.batch_dims), ("pad_values", self.pad_values)):
+            if not isinstance(mapping, Mapping):
+                raise ValueError(f"autograph: {name} must be a dict, got {mapping!r}")
+            object.__setattr__(self, name, dict(mapping))
+        for arg, dim in self.batch_dims.items():
+            if dim is not None:
+                _int_at_least(f"batch_dims[{arg!r}]", dim, 0)

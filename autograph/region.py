@@ -129,7 +129,7 @@ def _release() -> None:
         _open -= 1
         if _open == 0:
             if nn.Module.__call__ is _call:
-                nn.Module.__call__ = _original_call  # type: ignore[method-assign]
+                nn.Module.__call__ = _original_call  # type: ignore[method-assign,assignment]
             _original_call = None
 
 
@@ -168,11 +168,12 @@ def _has_own_engine(module: nn.Module) -> bool:
 def _through_engine(region: Region, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
     engine = _engine_for(module)
-    engine.options = region.options  # the innermost region's options win
+    engine.set_options(region.options)  # the innermost region's options win
     s = engine.stats
     before = (s.replays, s.captures, s.eager, s.calls, s.capture_seconds)
+    front = engine.front
     try:
-        return engine(args, kwargs)
+        return engine(args, kwargs) if front is None else front(args, kwargs)
     finally:
         region._count(engine, before)
 
@@ -194,7 +195,7 @@ def _engine_for(module: nn.Module) -> Engine:
     ref = weakref.ref(module, forget)
 
     def call(*args: Any, **kwargs: Any) -> Any:  # runs inside _call: nested calls pass
-        return (_original_call or _unpatched)(ref(), *args, **kwargs)
+        return (_original_call or _unpatched)(ref(), *args, **kwargs)  # type: ignore[arg-type]
 
     engine = make_module_engine(module, Options(), call, weak=True)
     _engines[key] = (ref, engine)

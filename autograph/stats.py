@@ -43,6 +43,9 @@ class Stats:
         "evictions",
         "invalidations",
         "last_reason",
+        "buckets",
+        "bucket_misses",
+        "padding",
         "_warned",
         "__weakref__",
     )
@@ -60,6 +63,9 @@ class Stats:
         self.evictions = 0
         self.invalidations = 0
         self.last_reason = ""
+        self.buckets: dict[int, dict[str, int]] = {}
+        self.bucket_misses = 0
+        self.padding: str | None = None
         self._warned: set[str] = set()
 
     def count_eager(self, reason: str, *, warn: bool = True) -> None:
@@ -70,6 +76,16 @@ class Stats:
         if warn and reason not in self._warned:
             self._warned.add(reason)
             logger.warning("%s: running eagerly: %s", self.name, reason)
+
+    def count_bucket(self, size: int, rows: int, eager: bool) -> None:
+        """One call served by bucket ``size`` with ``rows`` real rows."""
+        b = self.buckets.get(size)
+        if b is None:
+            b = self.buckets[size] = {"hits": 0, "real_rows": 0, "padded_rows": 0, "eager": 0}
+        b["hits"] += 1
+        b["real_rows"] += rows
+        b["padded_rows"] += size - rows
+        b["eager"] += eager
 
     def snapshot(self) -> dict[str, Any]:
         """The counters as a plain dictionary (a copy)."""
@@ -84,6 +100,9 @@ class Stats:
             "capture_seconds": self.capture_seconds,
             "evictions": self.evictions,
             "invalidations": self.invalidations,
+            "buckets": {size: dict(b) for size, b in sorted(self.buckets.items())},
+            "bucket_misses": self.bucket_misses,
+            "padding": self.padding,
         }
 
 

@@ -18,6 +18,7 @@ import wrapt
 from torch import nn
 
 from . import stats as _stats
+from .buckets import positional_names
 from .engine import Engine
 from .guards import Watch
 from .options import Options
@@ -29,9 +30,11 @@ _engines: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 def _make_engine(fn: Callable[..., Any], options: Options, name: str,
                  roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
-                 hooks_of_roots: bool, training: Callable[[], bool | None]) -> Engine:
+                 hooks_of_roots: bool, training: Callable[[], bool | None],
+                 method: bool) -> Engine:
     stats = _stats.register(name)
-    engine = Engine(fn, options, stats, Watch(roots, code, hooks_of_roots), training)
+    names = positional_names(code, skip_self=method) if code is not None else []
+    engine = Engine(fn, options, stats, Watch(roots, code, hooks_of_roots), training, names)
     _engines.add(engine)
     return engine
 
@@ -58,7 +61,8 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
         return m.training if m is not None else None
 
     forward = getattr(type(module), "forward", None)
-    return _make_engine(fn, options, type(module).__qualname__, roots, forward, True, training)
+    return _make_engine(fn, options, type(module).__qualname__, roots, forward, True, training,
+                        method=True)
 
 
 class _Dispatch:
@@ -77,18 +81,20 @@ class _Dispatch:
             engine = self.engine
             if engine is None:
                 engine = self._function_engine(wrapped)
-            return engine(args, kwargs)
-        item = self.instances.get(id(instance))
-        if item is None or item[0]() is not instance:
-            item = self._instance_engine(instance)
-        return item[1](args, kwargs)
+        else:
+            item = self.instances.get(id(instance))
+            if item is None or item[0]() is not instance:
+                item = self._instance_engine(instance)
+            engine = item[1]
+        front = engine.front
+        return engine(args, kwargs) if front is None else front(args, kwargs)
 
     def _function_engine(self, wrapped: Callable[..., Any]) -> Engine:
         with self.lock:
             if self.engine is None:
                 name = getattr(self.fn, "__qualname__", repr(self.fn))
                 self.engine = _make_engine(wrapped, self.options, name, list, self.fn,
-                                           False, _no_training)
+                                           False, _no_training, method=False)
             return self.engine
 
     def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Engine]:
@@ -117,7 +123,7 @@ class _Dispatch:
             return ref().training if is_module else None  # type: ignore[union-attr]
 
         name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
-        engine = _make_engine(call, self.options, name, roots, fn, False, training)
+        engine = _make_engine(call, self.options, name, roots, fn, False, training, method=True)
         with self.lock:
             item = instances[key] = (ref, engine)
         return item
@@ -163,7 +169,9 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
         self._self_engine = make_module_engine(module, options, nested(module), weak=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_engine(args, kwargs)
+        engine = self._self_engine
+        front = engine.front
+        return engine(args, kwargs) if front is None else front(args, kwargs)
 
     def reset(self) -> None:
         """Drop every graph of this module."""

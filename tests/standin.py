@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autograph.capture import Pool
+from autograph.mutation import written_args
 
 T = TypeVar("T")
 aten = torch.ops.aten
@@ -72,14 +73,8 @@ class _Recorder(TorchDispatchMode):
 
 
 def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            v = args[i] if i < len(args) else kwargs.get(a.name)
-            for t in pytree.tree_leaves(v):
-                if isinstance(t, torch.Tensor):
-                    out.append(t)
-    return out
+    values = written_args(func, args, kwargs)
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
 class RecordedGraph:

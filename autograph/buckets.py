@@ -1,0 +1,272 @@
+"""Shape buckets: pad a call's batch up to the next captured size, slice the outputs back.
+
+The rule, precisely:
+
+* The *batch arguments* are the top-level tensor arguments (positional or keyword, not
+  nested in containers) that carry the batch: dimension 0 by default, another one or
+  none where ``batch_dims`` says so.  Arguments the function writes in place (learned on
+  the first call) never carry it by default: caches and tables pass untouched.
+* All batch arguments must agree on the batch size B; otherwise the call runs with its
+  own shapes (no padding).  The bucket is the smallest size >= B; a call larger than
+  the largest bucket runs eagerly and counts as a miss.
+* Each batch argument is padded along its batch dimension up to the bucket with its
+  ``pad_values`` entry (default 0); every tensor output whose batch dimension has the
+  bucket's size is sliced back to B rows.
+* Padding is only correct when rows do not interact: row-wise ops (linear layers,
+  layer norm, attention within a sequence, embedding look-ups) are safe; ops that mix
+  rows (batch norm in training mode, reductions or softmax over the batch dimension,
+  sorting or top-k across the batch) and writes that depend on the batch (padded rows
+  writing into a cache) are not.  Before the first padded replay of each bucket,
+  autograph runs the call both ways, eagerly, on copies of the arguments; if the real
+  rows differ, or the padded run changes anything the real run did not, padding is
+  switched off for that callable (one graph per exact shape), with a counted reason.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .mutation import WriteRecorder, storage_ptr, watch_map
+from .options import Options
+from .stats import Stats, logger
+from .switch import is_disabled
+
+Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+class Bucketer:
+    """Pads calls up to ``options.buckets`` in front of an engine call."""
+
+    def __init__(self, options: Options, run: Call, eager: Call, stats: Stats,
+                 positional_names: list[str],
+                 module_state: Callable[[], list[torch.Tensor]]) -> None:
+        self.sizes = options.buckets or ()
+        self.dims = options.batch_dims
+        self.pads = options.pad_values
+        self.run = run  # the engine, keyed by the padded shapes
+        self.eager = eager  # the original function, counted by nobody
+        self.stats = stats
+        self.names = positional_names
+        self.module_state = module_state
+        self.written: set[str | int] | None = None  # learned on the first call
+        self.verified: set[int] = set()
+        self.unsafe: str | None = None
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.unsafe is not None or is_disabled():
+            return self.run(args, kwargs)
+        if self.written is None:
+            return self._learn(args, kwargs)
+        batch = self._batch_args(args, kwargs)
+        rows = {_size(t, d) for _, t, d in batch}
+        if len(rows) != 1:
+            return self.run(args, kwargs)  # no batch, or disagreeing sizes: as it is
+        (real,) = rows
+        i = bisect.bisect_left(self.sizes, real)
+        if i == len(self.sizes):
+            self.stats.calls += 1
+            self.stats.bucket_misses += 1
+            self.stats.count_eager(f"batch {real} is larger than the largest bucket")
+            return self.eager(args, kwargs)
+        size = self.sizes[i]
+        if size != real and size not in self.verified:
+            if not self._padding_is_safe(args, kwargs, batch, size):
+                return self.run(args, kwargs)
+        eager_before = self.stats.eager
+        if size == real:
+            out = self.run(args, kwargs)
+        else:
+            padded_args, padded_kwargs = _pad(args, kwargs, batch, size, self.pads)
+            out = _slice(self.run(padded_args, padded_kwargs), size, real, self._out_dim(batch))
+        self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
+        return out
+
+    # -- which arguments carry the batch ---------------------------------------------
+    def _learn(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """First call: run eagerly, noting the arguments the function writes in place,
+        and whether it writes module state (then padding is never checked, let alone
+        used: the check's extra runs would update that state)."""
+        leaves = list(args) + list(kwargs.values())
+        tensors = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+        watched = watch_map(leaves, tensors)
+        state = -1  # a position no argument has
+        for t in self.module_state():
+            watched.setdefault(storage_ptr(t), []).append(state)
+        recorder = WriteRecorder(watched)
+        self.stats.calls += 1
+        self.stats.count_eager("learning which arguments carry the batch", warn=False)
+        with recorder:
+            out = self.eager(args, kwargs)
+        keys = [*range(len(args)), *kwargs]
+        self.written = {keys[i] for i in recorder.written if i != state}
+        self.written |= {self._name(k) for k in self.written if isinstance(k, int)}
+        if state in recorder.written:
+            self._turn_off("the call updates module state in place")
+        return out
+
+    def _turn_off(self, why: str) -> None:
+        self.unsafe = f"padding off: {why}; one graph per batch size"
+        self.stats.padding = self.unsafe
+        logger.warning("%s: %s", self.stats.name, self.unsafe)
+
+    def _name(self, key: str | int) -> str | int:
+        if isinstance(key, int) and key < len(self.names):
+            return self.names[key]
+        return key
+
+    def _batch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> list[tuple[str | int, torch.Tensor, int]]:
+        """(position or name, tensor, batch dim) of every argument carrying the batch."""
+        out: list[tuple[str | int, torch.Tensor, int]] = []
+        keyed: list[tuple[str | int, Any]] = [*enumerate(args), *kwargs.items()]
+        for key, value in keyed:
+            if not isinstance(value, torch.Tensor):
+                continue
+            name = self._name(key)
+            written = self.written or set()
+            default = None if (key in written or name in written) else 0
+            dim = self.dims.get(name, self.dims.get(key, default))
+            if dim is not None and dim < value.dim():
+                out.append((key, value, dim))
+        return out
+
+    def _poison_written(self, *copies: Any) -> None:
+        """Fill the (copied) floating-point arguments the function writes with the same
+        random values in both runs: a padded row writing into a cache is then seen even
+        where it would write what the cache happens to hold already."""
+        plain_args, plain_kwargs, pad_args, pad_kwargs = copies
+        written = self.written or set()
+        for key in (*range(len(plain_args)), *plain_kwargs):
+            if key not in written and self._name(key) not in written:
+                continue
+            a, b = _arg(plain_args, plain_kwargs, key), _arg(pad_args, pad_kwargs, key)
+            if isinstance(a, torch.Tensor) and a.is_floating_point():
+                noise = torch.randn_like(a)
+                a.copy_(noise)
+                b.copy_(noise)
+
+    def _out_dim(self, batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
+        dims = {d for _, _, d in batch}
+        return dims.pop() if len(dims) == 1 else 0
+
+    # -- the safety check ---------------------------------------------------------------
+    def _padding_is_safe(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         batch: list[tuple[str | int, torch.Tensor, int]], size: int) -> bool:
+        """Run the call eagerly as it is and padded, on copies; compare what it computes."""
+        real = _size(batch[0][1], batch[0][2])
+        plain_args, plain_kwargs = _copies(args, kwargs)
+        pad_args, pad_kwargs = _copies(args, kwargs)
+        self._poison_written(plain_args, plain_kwargs, pad_args, pad_kwargs)
+        pad_batch = [(k, _arg(pad_args, pad_kwargs, k), d) for k, _, d in batch]
+        padded_args, padded_kwargs = _pad(pad_args, pad_kwargs, pad_batch, size, self.pads)
+        try:
+            with torch.no_grad():
+                expect = self.eager(plain_args, plain_kwargs)
+                got = _slice(self.eager(padded_args, padded_kwargs), size, real,
+                             self._out_dim(batch))
+        except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
+            problem: str | None = f"the padded call raised {type(exc).__name__}"
+        else:
+            problem = _compare(expect, got) or _compare_writes(
+                _tensors(plain_args, plain_kwargs), _tensors(pad_args, pad_kwargs)
+            )
+        if problem is None:
+            self.verified.add(size)
+            return True
+        self._turn_off(f"padding changes results ({problem})")
+        return False
+
+
+def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
+    """Names of ``fn``'s positional parameters, to match ``batch_dims`` by name."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    names = [p.name for p in params
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return names[1:] if skip_self and names else names
+
+
+def _size(t: torch.Tensor, dim: int) -> int:
+    return int(t.shape[dim])
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def _pad(args: tuple[Any, ...], kwargs: dict[str, Any],
+         batch: list[tuple[str | int, torch.Tensor, int]], size: int,
+         pads: Mapping[str | int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for key, t, dim in batch:
+        shape = list(t.shape)
+        shape[dim] = size - shape[dim]
+        value = pads.get(key, 0)
+        filler = t.new_full(shape, value)
+        padded = torch.cat([t, filler], dim)
+        if isinstance(key, int):
+            new_args[key] = padded
+        else:
+            new_kwargs[key] = padded
+    return tuple(new_args), new_kwargs
+
+
+def _slice(out: Any, size: int, real: int, dim: int) -> Any:
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == size:
+            return x.narrow(dim, 0, real)
+        return x
+
+    return pytree.tree_map(cut, out)
+
+
+def _copies(args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def copy(x: Any) -> Any:
+        return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+
+
+def _compare(expect: Any, got: Any) -> str | None:
+    a, spec_a = pytree.tree_flatten(expect)
+    b, spec_b = pytree.tree_flatten(got)
+    if spec_a != spec_b:
+        return "outputs differ in structure"
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.shape != y.shape:
+                return "an output changes shape"
+            if not _close(x, y):
+                return "real rows of an output change"
+    return None
+
+
+def _compare_writes(plain: list[torch.Tensor], padded: list[torch.Tensor]) -> str | None:
+    """Arguments that are not padded must end up exactly as the real call leaves them:
+    padded rows may not write into a cache or table."""
+    for p, q in zip(plain, padded):
+        if p.shape == q.shape and not _close(p, q):
+            return "padded rows write into an argument"
+    return None
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.dtype != y.dtype:
+        return False
+    if x.is_floating_point() or x.is_complex():
+        tol = 1e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        return bool(torch.allclose(x, y, rtol=tol, atol=tol, equal_nan=True))
+    return bool(torch.equal(x, y))

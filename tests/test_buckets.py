@@ -1,0 +1,146 @@
+"""Buckets (padding and slicing) and the graph memory budget, on the CPU stand-in."""
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+BUCKETS = [1, 2, 4, 8]
+
+
+def calls(fn, sizes, make, ref):
+    with torch.no_grad():
+        for n in sizes:
+            args = make(n)
+            out = fn(*args)
+            torch.testing.assert_close(out, ref(*args))
+            assert out.shape[0] == n
+
+
+def test_padded_calls_equal_eager_on_real_rows_and_count_per_bucket():
+    @autograph.graphed(buckets=BUCKETS, warmup=0)
+    def f(x):
+        return x * 2 + 1
+
+    calls(f, [3, 1, 5, 8, 2, 7, 6, 4, 3], lambda n: (torch.randn(n, 5),), lambda x: x * 2 + 1)
+    s = autograph.stats(f)
+    assert s["captures"] == 4  # one graph per bucket, not per size
+    # the first call (3 rows) ran eagerly to learn which arguments carry the batch
+    assert s["buckets"][4] == {"hits": 2, "real_rows": 7, "padded_rows": 1, "eager": 0}
+    assert s["buckets"][8] == {"hits": 4, "real_rows": 26, "padded_rows": 6, "eager": 0}
+    assert s["padding"] is None and s["bucket_misses"] == 0
+
+
+def test_larger_than_the_largest_bucket_is_a_miss():
+    @autograph.graphed(buckets=BUCKETS, warmup=0)
+    def f(x):
+        return x.exp()
+
+    calls(f, [2, 9, 12], lambda n: (torch.randn(n, 3),), torch.exp)
+    s = autograph.stats(f)
+    assert s["bucket_misses"] == 2
+    assert s["eager_reasons"]["batch 9 is larger than the largest bucket"] == 1
+
+
+def test_batch_dims_and_pad_values_by_name_and_untouched_tables():
+    table = torch.randn(50, 6)
+    seen = []
+
+    @autograph.graphed(buckets=BUCKETS, warmup=0, batch_dims={"table": None, "h": 1},
+                       pad_values={"ids": 49})
+    def f(ids, h, table):
+        seen.append(int(ids.shape[0]))
+        return table[ids] + h.transpose(0, 1)
+
+    def ref(ids, h, table):
+        return table[ids] + h.transpose(0, 1)
+
+    calls(f, [3, 3, 3, 6, 6],
+          lambda n: (torch.randint(0, 49, (n,)), torch.randn(6, n), table), ref)
+    assert 4 in seen and 8 in seen  # the function ran on padded batches
+    s = autograph.stats(f)
+    assert s["replays"] >= 2 and s["padding"] is None
+
+
+def test_row_coupled_functions_turn_padding_off():
+    @autograph.graphed(buckets=BUCKETS, warmup=0)
+    def center(x):
+        return x - x.mean(0)  # mixes rows: padded rows would change the mean
+
+    calls(center, [3, 3, 3, 5], lambda n: (torch.randn(n, 4),), lambda x: x - x.mean(0))
+    s = autograph.stats(center)
+    assert s["padding"].startswith("padding off: padding changes results")
+    assert s["captures"] == 2  # exact shapes 3 and 5
+
+
+def test_padded_rows_writing_into_a_cache_turn_padding_off():
+    @autograph.graphed(buckets=BUCKETS, warmup=0)
+    def write(slots, values, cache):
+        cache.index_copy_(0, slots, values)  # padded rows would write slot 0
+        return cache.sum(0, keepdim=True).expand(slots.shape[0], -1) * 1
+
+    cache, ref_cache = torch.zeros(16, 2), torch.zeros(16, 2)
+    with torch.no_grad():
+        for start in (1, 4, 7):
+            slots = torch.arange(start, start + 3)
+            values = torch.randn(3, 2)
+            out = write(slots, values, cache)
+            ref_cache.index_copy_(0, slots, values)
+            torch.testing.assert_close(cache, ref_cache)
+            torch.testing.assert_close(out, ref_cache.sum(0, keepdim=True).expand(3, -1))
+    assert autograph.stats(write)["padding"].startswith("padding off: padding changes results")
+
+
+def test_module_state_updates_turn_padding_off():
+    bn = nn.BatchNorm1d(4).train()
+    g = autograph.graphed(bn, buckets=BUCKETS, warmup=0)
+    ref = nn.BatchNorm1d(4).train()
+    with torch.no_grad():
+        for n in (3, 3, 3):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(g(x), ref(x))
+    torch.testing.assert_close(bn.running_mean, ref.running_mean)
+    assert "module state" in autograph.stats(g)["padding"]
+
+
+def test_graph_memory_budget_evicts_and_refuses_graphs_too_large(standin):
+    @autograph.graphed(warmup=0, max_graph_memory=3000)
+    def f(x):
+        return (x * 2).sum(1)
+
+    with torch.no_grad():
+        for n in (10, 11, 12, 13):  # each graph records about 1 KB of tensors
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(f(x), (x * 2).sum(1))
+        s = autograph.stats(f)
+        assert s["graph_memory_bytes"] <= 3000 and s["evictions"] >= 1
+        big = torch.randn(200, 8)
+        torch.testing.assert_close(f(big), (big * 2).sum(1))
+        torch.testing.assert_close(f(big), (big * 2).sum(1))
+    s = autograph.stats(f)
+    assert any("over max_graph_memory" in r for r in s["eager_reasons"])
+    assert s["graph_memory_bytes"] <= 3000
+
+
+def test_buckets_in_a_region():
+    model = nn.Linear(4, 3)
+    with torch.no_grad(), autograph.capture_region(buckets=[2, 4], warmup=0) as region:
+        outs = [(x, model(x)) for x in (torch.randn(n, 4) for n in (1, 3, 2, 3))]
+    with torch.no_grad():
+        for x, out in outs:
+            torch.testing.assert_close(out, model(x))
+    (s,) = region.stats().values()
+    assert s["captures"] == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"buckets": []}, {"buckets": [0, 2]}, {"buckets": "1,2"}, {"max_graph_memory": 0},
+     {"batch_dims": {"x": -1}}, {"batch_dims": [0]}],
+)
+def test_bad_bucket_options_raise(kwargs):
+    with pytest.raises(ValueError, match="autograph"):
+        autograph.graphed(**kwargs)

@@ -1,0 +1,64 @@
+"""Buckets and the memory budget with real CUDA graphs.  Skipped without CUDA."""
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+from autograph.models import Decoder
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+BUCKETS = [1, 2, 4, 8, 16]
+
+
+def test_padded_replay_equals_eager_on_real_rows_for_every_batch_size():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.LayerNorm(256),
+                          nn.Linear(256, 32)).cuda().eval()
+    g = autograph.graphed(model, buckets=BUCKETS, warmup=1)
+    with torch.no_grad():
+        for _ in range(3):
+            for n in range(1, 21):
+                x = torch.randn(n, 64, device="cuda")
+                out = g(x)
+                assert out.shape == (n, 32)
+                torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+    s = autograph.stats(g)
+    assert s["graphs"] == len(BUCKETS) and s["captures"] == len(BUCKETS)
+    assert s["bucket_misses"] == 3 * 4  # 17..20, three rounds
+    assert s["padding"] is None and s["replays"] > 40
+
+
+def test_buckets_on_a_decode_step_with_an_untouched_cache():
+    torch.manual_seed(0)
+    model = Decoder(layers=2, d=128, heads=4, vocab=1000, max_len=32).cuda().half().eval()
+    # one cache per batch size, as a server keeps per-slot caches; the step's tokens
+    # are padded, its caches (written in place) are not
+    g = autograph.graphed(model, buckets=[2, 4], warmup=1)
+    for n in (1, 3, 2, 4):
+        cache, ref = model.new_cache(n), model.new_cache(n)
+        with torch.inference_mode():
+            for pos in range(4):
+                t = torch.randint(0, 1000, (n, 1), device="cuda")
+                p = torch.tensor([pos], device="cuda")
+                torch.testing.assert_close(g(t, p, *cache), model(t, p, *ref),
+                                           rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(cache[0], ref[0], rtol=2e-2, atol=2e-2)
+    s = autograph.stats(g)
+    # padding a batch of sequences whose cache has no room for the padded rows changes
+    # what the step computes: autograph notices and keeps one graph per batch size
+    assert s["padding"] is None or s["padding"].startswith("padding off")
+
+
+def test_memory_budget_holds():
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+    budget = 40 * 2**20
+    g = autograph.graphed(model, warmup=0, max_graph_memory=budget)
+    with torch.no_grad():
+        for n in (64, 128, 256, 512, 1024, 2048, 64, 128):
+            x = torch.randn(n, 1024, device="cuda")
+            torch.testing.assert_close(g(x), model(x), rtol=1e-3, atol=1e-3)
+            assert autograph.stats(g)["graph_memory_bytes"] <= budget
+    s = autograph.stats(g)
+    assert s["evictions"] >= 1 or any("max_graph_memory" in r for r in s["eager_reasons"])

@@ -302,9 +302,8 @@ class Engine:
             if entry.state == READY:  # another thread captured it meanwhile
                 return self._replay(key, entry, flat)
             inplace = self.inplace.get(base, ())
-            start = time.perf_counter()
+            start, before = time.perf_counter(), backend.memory_reserved(device)
             static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
-            before = backend.memory_reserved(device)  # graph memory: what capture adds
             try:
                 graph, out, written = self._record(flat, static, device, backend)
             except Exception as exc:  # noqa: BLE001 - any capture problem means eager

@@ -105,8 +105,8 @@ class Engine:
 
     def set_options(self, options: Options, force: bool = False) -> None:
         """Use these options from the next call on (a region passes its own)."""
-        if options is self.options and not force:
-            return
+        if not force and (options is self.options or options == self.options):
+            return  # a new region per step passes equal options: keep what was learned
         self.options = options
         if options.buckets:
             me = weakref.proxy(self)

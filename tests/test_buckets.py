@@ -136,6 +136,20 @@ def test_buckets_in_a_region():
     assert s["captures"] == 2
 
 
+def test_a_new_region_per_step_keeps_what_buckets_learned():
+    model = nn.Linear(4, 3)
+    outs = []
+    with torch.no_grad():
+        for n in (1, 3, 3, 3, 3, 1):
+            with autograph.capture_region(buckets=[2, 4], warmup=0):
+                x = torch.randn(n, 4)
+                outs.append((x, model(x)))
+        for x, out in outs:
+            torch.testing.assert_close(out, model(x))
+    s = autograph.stats(model)  # the module's region engine
+    assert s["captures"] == 2 and s["replays"] == 3
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"buckets": []}, {"buckets": [0, 2]}, {"buckets": "1,2"}, {"max_graph_memory": 0},

@@ -82,9 +82,7 @@ def graphed(
         pad_values: per argument name (or position), the value of padded rows
             (default 0).
     """
-    options = Options(warmup, max_graphs, max_graph_memory,
-                      tuple(buckets) if buckets is not None else None,
-                      batch_dims or {}, pad_values or {})
+    options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -114,9 +112,7 @@ def capture_region(
 
     Args: the options of :func:`graphed`.
     """
-    return Region(Options(warmup, max_graphs, max_graph_memory,
-                          tuple(buckets) if buckets is not None else None,
-                          batch_dims or {}, pad_values or {}))
+    return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values))
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

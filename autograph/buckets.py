@@ -47,8 +47,8 @@ class Bucketer:
                  positional_names: list[str],
                  module_state: Callable[[], list[torch.Tensor]]) -> None:
         self.sizes = options.buckets or ()
-        self.dims = options.batch_dims
-        self.pads = options.pad_values
+        self.dims = options.batch_dims or {}
+        self.pads = options.pad_values or {}
         self.run = run  # the engine, keyed by the padded shapes
         self.eager = eager  # the original function, counted by nobody
         self.stats = stats

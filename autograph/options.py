@@ -35,9 +35,9 @@ class Options:
     warmup: int = 2
     max_graphs: int = 32
     max_graph_memory: int | None = None
-    buckets: tuple[int, ...] | None = None
-    batch_dims: Mapping[str | int, int | None] = field(default_factory=dict)
-    pad_values: Mapping[str | int, Any] = field(default_factory=dict)
+    buckets: Sequence[int] | None = None
+    batch_dims: Mapping[str | int, int | None] | None = field(default_factory=dict)
+    pad_values: Mapping[str | int, Any] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -54,9 +54,11 @@ class Options:
                 _int_at_least("every bucket", size, 1)
             object.__setattr__(self, "buckets", tuple(sorted(set(sizes))))
         for name, mapping in (("batch_dims", self.batch_dims), ("pad_values", self.pad_values)):
+            if mapping is None:
+                mapping = {}
             if not isinstance(mapping, Mapping):
                 raise ValueError(f"autograph: {name} must be a dict, got {mapping!r}")
             object.__setattr__(self, name, dict(mapping))
-        for arg, dim in self.batch_dims.items():
+        for arg, dim in self.batch_dims.items():  # type: ignore[union-attr]
             if dim is not None:
                 _int_at_least(f"batch_dims[{arg!r}]", dim, 0)

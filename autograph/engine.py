@@ -105,7 +105,7 @@ class Engine:
 
     def set_options(self, options: Options, force: bool = False) -> None:
         """Use these options from the next call on (a region passes its own)."""
-        if not force and (options is self.options or options == self.options):
+        if not force and (options is self.options or _same_options(options, self.options)):
             return  # a new region per step passes equal options: keep what was learned
         self.options = options
         if options.buckets:
@@ -424,6 +424,13 @@ def _runner(entry: Entry) -> Callable[[Any], Any]:
             return build(leaves)  # type: ignore[misc]
 
     return run
+
+
+def _same_options(a: Options, b: Options) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a tensor as a pad value: compare as different
+        return False
 
 
 @contextlib.contextmanager

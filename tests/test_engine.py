@@ -328,3 +328,50 @@ def test_outputs_pytree_cannot_open_run_eagerly():
     s = stats_of(f)
     assert s["captures"] == 0 and s["eager"] == 3
     assert any("output of type" in r and "Box" in r for r in s["eager_reasons"])
+
+
+def test_one_tensor_passed_twice_and_written_through_one_of_them():
+    @autograph.graphed(warmup=1)
+    def f(a, b):
+        a.add_(1)
+        return b * 2
+
+    x = torch.zeros(3)
+    with torch.no_grad():
+        for i in range(4):
+            out = f(x, x)
+            torch.testing.assert_close(x, torch.full((3,), i + 1.0))
+            torch.testing.assert_close(out, torch.full((3,), 2.0 * (i + 1)))
+    assert stats_of(f)["replays"] >= 1
+
+
+def test_views_of_a_written_argument_and_non_contiguous_writes():
+    @autograph.graphed(warmup=1)
+    def f(cache, v):
+        cache.add_(v)
+        return cache[0], cache.t()
+
+    base = torch.zeros(3, 2)
+    cache, ref = base.t(), base.clone().t()  # a non-contiguous cache
+    with torch.no_grad():
+        for _ in range(5):
+            v = torch.randn(2, 3)
+            first, transposed = f(cache, v)
+            ref.add_(v)
+            torch.testing.assert_close(cache, ref)
+            torch.testing.assert_close(first, ref[0])
+            torch.testing.assert_close(transposed, ref.t())
+            assert first.data_ptr() == cache.data_ptr()  # a view of the caller's tensor
+    assert stats_of(f)["replays"] == 3
+
+
+def test_zero_size_arguments():
+    @autograph.graphed(warmup=1)
+    def f(x, y):
+        return x.sum(0) + y
+
+    with torch.no_grad():
+        for _ in range(4):
+            x, y = torch.randn(0, 3), torch.randn(3)
+            torch.testing.assert_close(f(x, y), y)
+    assert stats_of(f)["replays"] == 2

@@ -13,6 +13,7 @@ Public API::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
@@ -24,7 +25,9 @@ from .wrappers import reset, wrap
 from .wrappers import stats_of as _stats_of
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "capture_region", "disabled", "graphed", "reset", "stats"]
+__all__ = [
+    "__version__", "capture_region", "disabled", "graphed", "reset", "save_plan", "stats",
+]
 
 F = TypeVar("F")
 
@@ -113,6 +116,22 @@ def capture_region(
     Args: the options of :func:`graphed`.
     """
     return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values))
+
+
+def save_plan(path: str | os.PathLike[str]) -> None:
+    """Write what the live graphed callables captured to ``path`` (JSON, atomically).
+
+    Per callable: the keys of its graphs (argument shapes, strides, dtypes, devices,
+    non-tensor values, modes), the argument positions it writes in place, its bucket hit
+    counts, and a fingerprint of its model (structure, parameter names, shapes, dtypes
+    and a content checksum); for the file, the environment (GPU name and architecture,
+    driver, CUDA runtime, torch and autograph versions).  A later process checks all of
+    it before trusting the plan.
+    """
+    from . import plan
+    from .wrappers import live_engines
+
+    plan.save(path, plan.describe(live_engines()))
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

@@ -74,7 +74,7 @@ class Watch:
         _install()
         self._unregister()
         refs = _code_refs(self._code) if self._code is not None else []
-        roots = list(self._roots()) + [v for get, v in refs if isinstance(v, _Module)]
+        roots = list(self._roots()) + [v for _, v in refs if isinstance(v, _Module)]
         modules: dict[int, nn.Module] = {}
         for root in roots:
             for m in root.modules():
@@ -113,6 +113,12 @@ class Watch:
             if not _same(get(), value):
                 return False
         return True
+
+    def modules(self) -> list[nn.Module]:
+        """The roots of the watched module trees: the callable's own modules and those
+        its globals and closure cells name."""
+        refs = _code_refs(self._code) if self._code is not None else []
+        return list(self._roots()) + [v for _, v in refs if isinstance(v, _Module)]
 
     def tensors(self) -> Iterable[torch.Tensor]:
         """The parameters and buffers of the watched trees."""

@@ -222,6 +222,11 @@ def wrap(obj: Any, options: Options) -> Any:
     )
 
 
+def live_engines() -> list[Engine]:
+    """Every live engine (functions, methods, wrappers and region engines)."""
+    return list(_engines)
+
+
 def _engines_of(obj: Any) -> list[Engine]:
     if isinstance(obj, GraphedModule):
         return [obj._self_engine]

@@ -27,6 +27,7 @@ from .wrappers import stats_of as _stats_of
 __version__ = "0.1.0"
 __all__ = [
     "__version__", "capture_region", "disabled", "graphed", "reset", "save_plan", "stats",
+    "warmup",
 ]
 
 F = TypeVar("F")
@@ -132,6 +133,37 @@ def save_plan(path: str | os.PathLike[str]) -> None:
     from .wrappers import live_engines
 
     plan.save(path, plan.describe(live_engines()))
+
+
+def warmup(
+    fn: Any,
+    /,
+    *args: Any,
+    batch_sizes: Sequence[int] | None = None,
+    plan: str | os.PathLike[str] | None = None,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """Capture graphs of ``fn`` before serving, and report what each capture cost.
+
+    ``fn`` is a graphed function, a wrapper made by :func:`graphed`, or a module whose
+    forward is graphed; ``*args``/``**kwargs`` are one example call, made through the
+    ordinary call path until its key is captured (it runs eagerly meanwhile, like any
+    warmup, so arguments the function writes in place are written).  With buckets, the
+    example is captured at every bucket (or at ``batch_sizes``), largest first so that
+    smaller graphs reuse the pool memory of larger ones: batch arguments are resized
+    by repeating their rows.  With ``plan`` (a file written by :func:`save_plan`), the
+    keys recorded for ``fn`` are captured first, most used first, but only if every
+    environment and model fingerprint field matches; otherwise nothing is captured from
+    the plan and the differing fields are logged.  Unreadable plans raise
+    ``ValueError``.
+
+    Returns one dict per capture: ``what``, ``captured``, ``capture_seconds``,
+    ``graph_memory_bytes`` and, when not captured, ``reason``.
+    """
+    from .ahead import warmup as _warmup
+    from .wrappers import engine_of
+
+    return _warmup(fn, args, kwargs, engine_of(fn), batch_sizes, plan)
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ takes its graphs with it.
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
@@ -233,6 +234,27 @@ def _engines_of(obj: Any) -> list[Engine]:
     if isinstance(obj, GraphedFunction):
         return obj._self_dispatch.engines()
     return [e for e in list(_engines) if any(r is obj for r in e.watch._roots())]
+
+
+def engine_of(obj: Any) -> Engine:
+    """The engine that a call of ``obj`` runs through, made now if it does not exist yet
+    (a graphed function, a wrapper, or a module whose forward is graphed)."""
+    if isinstance(obj, GraphedModule):
+        return obj._self_engine  # type: ignore[no-any-return]
+    if isinstance(obj, GraphedFunction):
+        dispatch = obj._self_dispatch
+        return dispatch.engine or dispatch._function_engine(obj.__wrapped__)
+    forward = inspect.getattr_static(type(obj), "forward", None)
+    if isinstance(forward, GraphedFunction):
+        dispatch = forward._self_dispatch
+        item = dispatch.instances.get(id(obj))
+        if item is None or item[0]() is not obj:
+            item = dispatch._instance_engine(obj)
+        return item[1]
+    engines = _engines_of(obj)
+    if len(engines) == 1:  # a module a region has graphed
+        return engines[0]
+    raise TypeError(f"autograph: {type(obj).__qualname__} is not graphed")
 
 
 def stats_of(obj: Any) -> dict[str, Any]:

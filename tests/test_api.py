@@ -15,7 +15,8 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 def test_public_names():
     assert set(autograph.__all__) == {
-        "__version__", "capture_region", "disabled", "graphed", "reset", "save_plan", "stats"
+        "__version__", "capture_region", "disabled", "graphed", "reset", "save_plan", "stats",
+        "warmup",
     }
 
 

@@ -1,0 +1,188 @@
+"""``autograph.warmup()``: capture graphs ahead of traffic.
+
+Capturing costs milliseconds to seconds per graph; a server would rather pay it at
+start than on its first requests.  ``warmup`` drives a graphed callable through its
+ordinary call path with example arguments until each wanted key is captured, largest
+first (smaller graphs then reuse the pool memory of larger ones), and reports what
+each capture cost.  With a plan saved by :func:`autograph.save_plan`, it first checks
+the plan's fingerprints against this process and captures the recorded keys only if
+every field matches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import plan as _plan
+from .engine import Engine
+
+logger = logging.getLogger("autograph")
+
+
+def warmup(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], engine: Engine,
+           batch_sizes: Sequence[int] | None,
+           plan: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
+    """Capture ``fn`` for the example call, at each batch size, and from the plan."""
+    report: list[dict[str, Any]] = []
+    if plan is not None:
+        report += _from_plan(fn, args, engine, plan)
+    sizes = batch_sizes if batch_sizes is not None else (engine.options.buckets or ())
+    if sizes:
+        bucketer = engine.front
+        if bucketer is not None and bucketer.written is None:
+            fn(*args, **kwargs)  # the first call learns which arguments carry the batch
+        for size in sorted(set(sizes), reverse=True):
+            call_args, call_kwargs = _resized(engine, args, kwargs, size)
+            report.append(_capture(fn, engine, call_args, call_kwargs, f"batch {size}"))
+    elif plan is None or args or kwargs:
+        report.append(_capture(fn, engine, args, kwargs, "example"))
+    return report
+
+
+def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any],
+             label: str) -> dict[str, Any]:
+    """Call ``fn`` until this call's key is captured (or has run eagerly for good)."""
+    stats = engine.stats
+    captures, seconds, memory = stats.captures, stats.capture_seconds, stats.graph_bytes
+    calls = engine.options.warmup + 3  # warmups, the capture, and a first-call probe
+    reason = ""
+    for _ in range(calls):
+        eager = stats.eager
+        fn(*args, **kwargs)
+        if stats.captures > captures:
+            break
+        if stats.eager > eager and stats.last_reason not in _WARMUP_REASONS:
+            reason = stats.last_reason
+            break
+    captured = stats.captures > captures
+    entry = {
+        "what": label,
+        "captured": captured,
+        "capture_seconds": stats.capture_seconds - seconds,
+        "graph_memory_bytes": stats.graph_bytes - memory,
+    }
+    if not captured:
+        entry["reason"] = reason or "not captured"
+    logger.debug("%s: warmup %s: %s", stats.name, label, entry)
+    return entry
+
+
+_WARMUP_REASONS = {"warmup", "learning which arguments carry the batch",
+                   "argument written in place: capturing it at its address"}
+
+
+def _resized(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any], size: int
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example call with ``size`` rows in every batch argument (rows repeated)."""
+    bucketer = engine.front
+    if bucketer is None:
+        raise ValueError(
+            "autograph.warmup: batch_sizes needs a callable graphed with buckets= "
+            "(it says which arguments carry the batch)"
+        )
+    batch = bucketer._batch_args(args, kwargs)
+    sizes = {key: int(t.shape[dim]) for key, t, dim in batch}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"autograph.warmup: the example's batch arguments disagree on the batch size "
+            f"({sizes}); give the others batch_dims=None"
+        )
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for key, t, dim in batch:
+        rows = torch.arange(size, device=t.device) % t.shape[dim]
+        value = t.index_select(dim, rows)
+        if isinstance(key, int):
+            new_args[key] = value
+        else:
+            new_kwargs[key] = value
+    return tuple(new_args), new_kwargs
+
+
+def _from_plan(fn: Any, args: tuple[Any, ...], engine: Engine,
+               path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Capture the keys the plan recorded for this callable, if every fingerprint
+    matches; otherwise capture nothing from it and say which fields differ."""
+    document = _plan.load(path)
+    name = engine.stats.name
+    section = document["callables"].get(name)
+    if section is None:
+        logger.warning("%s: the plan %s has nothing for this callable", name, os.fspath(path))
+        return []
+    differ = _plan.differences(document["environment"], _plan.environment())
+    differ += _plan.differences(section.get("model", {}),
+                                _plan.model_fingerprint(engine.watch.modules()))
+    if differ:
+        logger.warning("%s: not using the plan %s, it differs in %s", name,
+                       os.fspath(path), "; ".join(differ))
+        return []
+    hits = section.get("bucket_hits", {})
+    keyed = list(zip(section.get("keys", []), section.get("inplace", [])))
+    keyed.sort(key=lambda kp: (-hits.get(str(_rows(kp[0])), 0), -_elements(kp[0])))
+    report = []
+    for key, inplace in keyed:
+        call = _call_from_key(key, inplace, args)
+        if call is None:
+            report.append({"what": "plan key", "captured": False,
+                           "reason": "needs the example's in-place arguments"})
+            continue
+        report.append(_capture(fn, engine, call[0], call[1], "plan key"))
+    return report
+
+
+def _rows(key: dict[str, Any]) -> int:
+    for leaf in key["leaves"]:
+        if "tensor" in leaf and leaf["tensor"]["shape"]:
+            return int(leaf["tensor"]["shape"][0])
+    return 0
+
+
+def _elements(key: dict[str, Any]) -> int:
+    return sum(math.prod(leaf["tensor"]["shape"]) for leaf in key["leaves"] if "tensor" in leaf)
+
+
+def _call_from_key(key: dict[str, Any], inplace: list[int], example: tuple[Any, ...]
+                   ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Arguments that produce this key: zeros of the recorded layout; arguments written
+    in place must be the caller's own tensors, taken from the example call."""
+    leaves = []
+    for i, leaf in enumerate(key["leaves"]):
+        if i in inplace:
+            if i >= len(example):
+                return None
+            leaves.append(example[i])
+        elif "tensor" in leaf:
+            spec = leaf["tensor"]
+            t = torch.empty_strided(spec["shape"], spec["stride"],
+                                    dtype=_dtype(spec["dtype"]), device=spec["device"])
+            t.zero_()
+            if spec["requires_grad"] and t.is_floating_point():
+                t.requires_grad_(True)
+            leaves.append(t)
+        else:
+            (kind, value), = leaf.items()
+            leaves.append(_scalar(kind, value))
+    n = key["nargs"]
+    return tuple(leaves[:n]), dict(zip(key["kwargs"], leaves[n:]))
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise _plan.PlanError(f"autograph plan: unknown dtype {name!r}")
+    return value
+
+
+def _scalar(kind: str, value: Any) -> Any:
+    if kind == "float":
+        return float.fromhex(value)
+    if kind == "dtype":
+        return _dtype(value)
+    if kind == "device":
+        return torch.device(value)
+    return value

@@ -1,0 +1,156 @@
+"""autograph.warmup(): capture before traffic, from examples, buckets and plans."""
+
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_example_call_is_captured_before_traffic():
+    model = mlp()
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        (entry,) = autograph.warmup(g, torch.randn(3, 4))
+        assert entry["captured"] and entry["capture_seconds"] > 0
+        assert entry["graph_memory_bytes"] > 0
+        x = torch.randn(3, 4)
+        torch.testing.assert_close(g(x), model(x))
+    s = autograph.stats(g)
+    assert (s["captures"], s["replays"]) == (1, 1)
+
+
+def test_every_bucket_largest_first():
+    @autograph.graphed(buckets=[1, 2, 4, 8], batch_dims={"table": None})
+    def f(x, table):
+        return x @ table
+
+    table = torch.randn(4, 3)
+    with torch.no_grad():
+        report = autograph.warmup(f, torch.randn(3, 4), table)
+        assert [r["what"] for r in report] == ["batch 8", "batch 4", "batch 2", "batch 1"]
+        assert all(r["captured"] for r in report)
+        captures = autograph.stats(f)["captures"]
+        for n in range(1, 9):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(f(x, table), x @ table)
+    assert autograph.stats(f)["captures"] == captures == 4
+
+
+def test_disagreeing_batch_arguments_are_a_clear_error():
+    @autograph.graphed(buckets=[2, 4])
+    def f(x, table):
+        return x @ table
+
+    with torch.no_grad(), pytest.raises(ValueError, match="batch_dims=None"):
+        autograph.warmup(f, torch.randn(3, 4), torch.randn(4, 3))
+
+
+def test_batch_sizes_need_buckets():
+    g = autograph.graphed(mlp())
+    with pytest.raises(ValueError, match="buckets"):
+        autograph.warmup(g, torch.randn(2, 4), batch_sizes=[1, 2])
+
+
+def test_a_call_that_cannot_be_graphed_is_reported():
+    @autograph.graphed
+    def f(x):
+        return x * x.sum().item()
+
+    with torch.no_grad():
+        (entry,) = autograph.warmup(f, torch.randn(3))
+    assert not entry["captured"] and entry["reason"].startswith("capture failed")
+
+
+def test_not_graphed_raises():
+    with pytest.raises(TypeError, match="not graphed"):
+        autograph.warmup(nn.Linear(2, 2), torch.randn(1, 2))
+
+
+def serve(g, shapes):
+    with torch.no_grad():
+        for n in shapes:
+            g(torch.randn(n, 4))
+
+
+def test_plan_round_trip_captures_the_recorded_keys(tmp_path):
+    model = mlp()
+    g = autograph.graphed(model)
+    serve(g, [2, 2, 2, 5, 5, 5, 2])
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    autograph.reset(g)  # as if the process had restarted
+    with torch.no_grad():
+        report = autograph.warmup(g, plan=path)
+    assert [r["captured"] for r in report] == [True, True]
+    captures = autograph.stats(g)["captures"]
+    serve(g, [2, 5])
+    assert autograph.stats(g)["captures"] == captures  # no capture in traffic
+
+
+def test_plan_for_another_model_captures_nothing(tmp_path, caplog):
+    model = mlp()
+    g = autograph.graphed(model)
+    serve(g, [2, 2, 2])
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    autograph.reset(g)
+    with torch.no_grad():
+        model[0].weight.add_(0.01)
+    caplog.set_level(logging.WARNING, logger="autograph")
+    with torch.no_grad():
+        assert autograph.warmup(g, plan=path) == []
+    assert autograph.stats(g)["graphs"] == 0
+    assert any("content" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("field", ["gpu_name", "driver", "torch"])
+def test_plan_from_another_environment_captures_nothing(tmp_path, caplog, field):
+    g = autograph.graphed(mlp())
+    serve(g, [3, 3, 3])
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    doc = json.loads(path.read_text())
+    doc["environment"][field] = "elsewhere"
+    path.write_text(json.dumps(doc))
+    autograph.reset(g)
+    caplog.set_level(logging.WARNING, logger="autograph")
+    with torch.no_grad():
+        assert autograph.warmup(g, plan=path) == []
+    assert any(field in r.getMessage() for r in caplog.records)
+
+
+def test_plan_keys_with_in_place_arguments_use_the_example(tmp_path):
+    @autograph.graphed
+    def step(cache, pos, v):
+        cache.index_copy_(0, pos, v)
+        return cache.sum(0)
+
+    cache = torch.zeros(8, 2)
+    with torch.no_grad():
+        for i in range(4):
+            step(cache, torch.tensor([i]), torch.randn(1, 2))
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    step.reset()
+    with torch.no_grad():
+        report = autograph.warmup(step, cache, torch.tensor([0]), torch.randn(1, 2), plan=path)
+    assert report[0]["captured"]
+
+
+def test_corrupt_plans_raise_value_errors(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    g = autograph.graphed(mlp())
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        autograph.warmup(g, plan=path)

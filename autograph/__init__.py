@@ -34,7 +34,17 @@ F = TypeVar("F")
 
 
 @overload
-def graphed(obj: F, /) -> F: ...
+def graphed(
+    obj: F,
+    /,
+    *,
+    warmup: int = 2,
+    max_graphs: int = 32,
+    max_graph_memory: int | None = None,
+    buckets: Sequence[int] | None = None,
+    batch_dims: Mapping[str | int, int | None] | None = None,
+    pad_values: Mapping[str | int, Any] | None = None,
+) -> F: ...
 @overload
 def graphed(
     *,

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import graphed
+from . import graphed, stats
 from .models import Decoder, mlp
 
 Step = Callable[[int], Any]
@@ -125,6 +125,76 @@ def bench_mlp(iters: int, rounds: int) -> Row:
     return Row("MLP 4x256 B=1", times)
 
 
+@dataclass
+class VariableRow:
+    method: str
+    seconds: float  # median per step
+    graphs: int
+    graph_bytes: int
+    padding_waste: float  # padded rows / real rows
+
+
+def bench_variable(steps: int = 400, rounds: int = 7, device: str = "cuda", width: int = 1024,
+                   seed: int = 0) -> list[VariableRow]:
+    """Batch sizes drawn at random in 1..16 (fixed seed), on a 4-layer MLP: eager, one
+    graph per bucket of [1, 2, 4, 8, 16], and one graph per exact batch size."""
+    sizes = torch.randint(1, 17, (steps,), generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    model = mlp(width).to(device).eval()
+    xs = {n: torch.randn(n, width, device=device) for n in range(1, 17)}
+    methods = {
+        "eager": model,
+        "buckets [1,2,4,8,16]": graphed(model, buckets=[1, 2, 4, 8, 16]),
+        "one graph per size": graphed(model, max_graphs=16),
+    }
+    order = [int(n) for n in sizes]
+
+    def run(fn: Callable[..., Any]) -> None:
+        for n in order:
+            fn(xs[n])
+
+    with torch.no_grad():
+        for fn in methods.values():  # warm: every graph is captured here
+            for _ in range(4):
+                run(fn)
+        times: dict[str, list[float]] = {name: [] for name in methods}
+        for _ in range(rounds):
+            for name, fn in methods.items():
+                _sync(device)
+                start = time.perf_counter()
+                run(fn)
+                _sync(device)
+                times[name].append((time.perf_counter() - start) / steps)
+    rows = []
+    for name, fn in methods.items():
+        s = stats(fn) if fn is not model else None
+        waste = 0.0
+        if s and s["buckets"]:
+            real = sum(b["real_rows"] for b in s["buckets"].values())
+            padded = sum(b["padded_rows"] for b in s["buckets"].values())
+            waste = padded / real if real else 0.0
+        rows.append(VariableRow(name, statistics.median(times[name]),
+                                s["graphs"] if s else 0, s["graph_memory_bytes"] if s else 0,
+                                waste))
+    return rows
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def format_variable(rows: list[VariableRow]) -> str:
+    head = (f"{'variable batch 1..16':<22} {'us/step':>9} {'eager/x':>8} {'graphs':>7} "
+            f"{'graph MB':>9} {'padding waste':>14}")
+    lines = [head, "-" * len(head)]
+    eager = rows[0].seconds
+    for r in rows:
+        lines.append(f"{r.method:<22} {r.seconds * 1e6:>9.1f} {eager / r.seconds:>7.2f}x "
+                     f"{r.graphs:>7} {r.graph_bytes / 2**20:>9.1f} {r.padding_waste:>13.1%}")
+    return "\n".join(lines)
+
+
 def environment() -> str:
     props = torch.cuda.get_device_properties(0)
     return (
@@ -154,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8],
                         help="decode batch sizes")
     parser.add_argument("--layers", type=int, default=12, help="decoder layers")
+    parser.add_argument("--variable", action="store_true",
+                        help="also time a variable-batch run: buckets vs one graph per size")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("autograph bench: no CUDA device here, nothing to measure "
@@ -163,4 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = [bench_decode(b, args.iters, args.rounds, args.layers) for b in args.batch]
     rows.append(bench_mlp(args.iters * 5, args.rounds))
     print(format_table(rows))
+    if args.variable:
+        print(format_variable(bench_variable(rounds=args.rounds)))
     return 0

@@ -158,3 +158,16 @@ def test_a_new_region_per_step_keeps_what_buckets_learned():
 def test_bad_bucket_options_raise(kwargs):
     with pytest.raises(ValueError, match="autograph"):
         autograph.graphed(**kwargs)
+
+
+def test_variable_batch_benchmark_runs_and_reports(standin):
+    """The benchmark's variable-batch run, on the CPU stand-in (its timings mean nothing
+    here; what it counts does)."""
+    from autograph.bench import bench_variable, format_variable
+
+    rows = bench_variable(steps=40, rounds=1, device="cpu", width=16)
+    by = {r.method: r for r in rows}
+    assert by["buckets [1,2,4,8,16]"].graphs == 5
+    assert by["one graph per size"].graphs == 16
+    assert 0 < by["buckets [1,2,4,8,16]"].padding_waste < 1
+    assert by["eager"].graphs == 0 and "padding waste" in format_variable(rows)

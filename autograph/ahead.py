@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from . import plan as _plan
-from .engine import Engine
+from .buckets import LEARNING
+from .engine import IN_PLACE, Engine
 
 logger = logging.getLogger("autograph")
 
@@ -73,8 +74,8 @@ def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, A
     return entry
 
 
-_WARMUP_REASONS = {"warmup", "learning which arguments carry the batch",
-                   "argument written in place: capturing it at its address"}
+# eager runs that are part of getting a key captured, not a reason to give up on it
+_WARMUP_REASONS = {"warmup", LEARNING, IN_PLACE}
 
 
 def _resized(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any], size: int

@@ -38,6 +38,7 @@ from .stats import Stats, logger
 from .switch import is_disabled
 
 Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+LEARNING = "learning which arguments carry the batch"  # the eager reason of a first call
 
 
 class Bucketer:
@@ -100,7 +101,7 @@ class Bucketer:
             watched.setdefault(storage_ptr(t), []).append(state)
         recorder = WriteRecorder(watched)
         self.stats.calls += 1
-        self.stats.count_eager("learning which arguments carry the batch", warn=False)
+        self.stats.count_eager(LEARNING, warn=False)
         with recorder:
             out = self.eager(args, kwargs)
         keys = [*range(len(args)), *kwargs]

@@ -46,7 +46,7 @@ _local = threading.local()
 _count_lock = threading.Lock()
 
 WARMING, READY, EAGER = 0, 1, 2
-_IN_PLACE = "argument written in place: capturing it at its address"
+IN_PLACE = "argument written in place: capturing it at its address"
 
 
 class Entry:
@@ -314,7 +314,7 @@ class Engine:
                 return self._eager(*flat.rebuild(leaves))
             if written:  # an argument thought read-only is written: capture it in place
                 self._rekey(key, base, entry, flat, written)
-                self.stats.count_eager(_IN_PLACE, warn=False)
+                self.stats.count_eager(IN_PLACE, warn=False)
                 return self._eager(*flat.rebuild(leaves))
             try:
                 build = output_builder(out, leaves, static, inplace, self.watch.storage_ptrs())
@@ -361,7 +361,7 @@ class Engine:
                     leaves[i].copy_(buf)
         self._rekey(key, base, entry, flat, set(missed))
         entry.graph = entry.static = entry.build = None
-        self.stats.count_eager(_IN_PLACE, warn=False)
+        self.stats.count_eager(IN_PLACE, warn=False)
 
     def _keep(self, entry: Entry, seconds: float, nbytes: int) -> None:
         stats = self.stats

@@ -44,6 +44,7 @@ def graphed(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    min_speedup: float | None = None,
 ) -> F: ...
 @overload
 def graphed(
@@ -54,6 +55,7 @@ def graphed(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    min_speedup: float | None = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -67,6 +69,7 @@ def graphed(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    min_speedup: float | None = None,
 ) -> Any:
     """Run a function, method or module through CUDA graphs, one per input key.
 
@@ -95,8 +98,14 @@ def graphed(
             tensor argument that the function does not write in place.
         pad_values: per argument name (or position), the value of padded rows
             (default 0).
+        min_speedup: keep a key's graph only if it replays at least this many times
+            faster than the key ran eagerly (e.g. ``1.2``); otherwise the key runs
+            eagerly, counted with its reason.  Eager is timed on the warmup runs after
+            the first, the graph on its first three replays (synchronized wall clock).
+            None (default): keep every graph.
     """
-    options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values)
+    options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
+                      min_speedup)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -110,6 +119,7 @@ def capture_region(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    min_speedup: float | None = None,
 ) -> Region:
     """Graph the module calls made inside a block, without touching the model.
 
@@ -126,7 +136,8 @@ def capture_region(
 
     Args: the options of :func:`graphed`.
     """
-    return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values))
+    return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
+                          min_speedup))
 
 
 def save_plan(path: str | os.PathLike[str]) -> None:

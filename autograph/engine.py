@@ -35,9 +35,22 @@ logger = logging.getLogger("autograph")
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch.is_inference_mode_enabled
 _autocast = torch.is_autocast_enabled
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_PLAIN = frozenset({bool, int, str, type(None)})
 _matmul_precision = getattr(
     torch._C, "_get_float32_matmul_precision", torch.get_float32_matmul_precision
 )
+
+def _modes(device: torch.device) -> tuple[bool, bool, Any, str]:
+    """The global modes a graph bakes in: grad, inference, autocast dtype, matmul
+    precision."""
+    kind = device.type
+    return (_grad_enabled(), _inference_mode(),
+            _any_autocast() and _autocast(kind) and torch.get_autocast_dtype(kind),
+            _matmul_precision())
+
 
 # Warmups and captures are serialized process-wide: capture must not interleave with
 # another capture into the same pool, and it keeps warmup and capture on one stream.
@@ -47,6 +60,8 @@ _count_lock = threading.Lock()
 
 WARMING, READY, EAGER = 0, 1, 2
 IN_PLACE = "argument written in place: capturing it at its address"
+NOT_WORTH = "graph not faster than eager by min_speedup"
+TRIALS = 3  # timed replays of a new graph under min_speedup (the first launch is not one)
 
 
 class Entry:
@@ -54,7 +69,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "graph", "static", "build", "pool", "nbytes", "device",
-        "backend", "run",
+        "backend", "run", "eager_s", "speedup",
     )
 
     def __init__(self) -> None:
@@ -69,6 +84,8 @@ class Entry:
         self.device: torch.device | None = None
         self.backend: Any = None
         self.run: Callable[[Any], Any] | None = None  # set once the entry is READY
+        self.eager_s = float("inf")  # fastest timed warmup run (under min_speedup)
+        self.speedup: float | None = None  # eager / replay time, once judged
 
 
 class Engine:
@@ -127,6 +144,24 @@ class Engine:
         if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             stats.count_eager("disabled", warn=False)
             return self.fn(*args, **kwargs)
+        if not kwargs and not _warming.active:
+            key = self._quick_key(args)
+            if key is not None:
+                entry = self.entries.get(key)
+                run = entry.run if entry is not None else None
+                if run is not None:
+                    result = run(args)
+                    stats.replays += 1
+                    try:
+                        self.entries.move_to_end(key)
+                    except KeyError:  # evicted meanwhile by another thread
+                        pass
+                    return result
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The general path: key the call with reasons, then replay, warm up or capture."""
+        stats = self.stats
         try:
             flat, key, backend = self._key(args, kwargs)
         except Uncapturable as exc:
@@ -138,8 +173,9 @@ class Engine:
             if inplace:
                 key = (base, tuple([flat.leaves[i].data_ptr() for i in inplace]))
         entry = self.entries.get(key)
-        if entry is not None and entry.run is not None:
-            result = entry.run(flat.leaves)
+        run = entry.run if entry is not None else None
+        if run is not None:
+            result = run(flat.leaves)
             stats.replays += 1
             try:
                 self.entries.move_to_end(key)
@@ -175,12 +211,52 @@ class Engine:
                 self._invalidate()
         if watch.hook_reason:
             raise Uncapturable(watch.hook_reason)
-        dtype = device.type
-        modes = (_grad_enabled(), _inference_mode(),
-                 _autocast(dtype) and torch.get_autocast_dtype(dtype), _matmul_precision())
-        if modes[0] and self._autograd_records(flat):
+        modes = _modes(device)
+        if modes[0] and self._autograd_records(flat.leaves, flat.tensor_pos):
             raise Uncapturable("autograd would record this call (use torch.no_grad())")
         return flat, (flat.structure, parts, modes, self.training()), last[1]
+
+    def _quick_key(self, args: tuple[Any, ...]) -> Any:
+        """The key of a call of plain positional arguments when nothing is unusual, or
+        None: then ``_call`` decides, with the reason for anything that runs eagerly.
+
+        Equal to the key ``_key`` gives the same call (plus the addresses of arguments
+        written in place); it only skips building a :class:`Flat`."""
+        parts = []
+        device = None
+        try:
+            for x in args:
+                tx = type(x)
+                if tx is _Tensor or tx is _Parameter:
+                    d = x.device
+                    if device is None:
+                        device = d
+                    elif d != device:
+                        return None
+                    parts.append((x.shape, x.stride(), x.dtype, d, x.requires_grad))
+                elif tx is float:
+                    parts.append((float, x.hex()))
+                elif tx in _PLAIN:
+                    parts.append((tx, x))
+                else:
+                    return None
+        except (RuntimeError, NotImplementedError):  # no strides: sparse, nested, ...
+            return None
+        last = self._device
+        if device is None or last[0] != device or last[2]():
+            return None
+        watch = self.watch
+        if watch.hook_reason is not None or not watch.ok():
+            return None
+        modes = _modes(device)
+        if modes[0] and self._autograd_records(args, range(len(args))):
+            return None
+        key = (len(args), tuple(parts), modes, self.training())
+        if self.inplace:
+            inplace = self.inplace.get(key)
+            if inplace:
+                key = (key, tuple([args[i].data_ptr() for i in inplace]))
+        return key
 
     @staticmethod
     def _find_backend(device: torch.device) -> tuple[Any, Any, Callable[[], bool]]:
@@ -190,9 +266,8 @@ class Engine:
             raise Uncapturable(f"inputs on {device.type}, not on a device that can be graphed")
         return device, backend, backend.capturing(device)
 
-    def _autograd_records(self, flat: Flat) -> bool:
-        leaves = flat.leaves
-        if any(leaves[i].requires_grad for i in flat.tensor_pos):
+    def _autograd_records(self, leaves: Any, positions: Any) -> bool:
+        if any(getattr(leaves[i], "requires_grad", False) for i in positions):
             return True
         return any(t.requires_grad for t in self.watch.tensors())
 
@@ -273,12 +348,21 @@ class Engine:
             else None
         watch = self.watch
         watch.assigned = None
-        with _capture_lock, _warming(), running(watch), backend.warmup(device):
-            if recorder is not None:
-                with recorder:
+        timed = self.options.min_speedup is not None and (entry.runs > 0 or
+                                                          self.options.warmup == 1)
+        with _capture_lock, _warming(), running(watch):
+            if timed:
+                backend.synchronize(device)
+                start = time.perf_counter()
+            with backend.warmup(device):
+                if recorder is not None:
+                    with recorder:
+                        out = self.fn(*args, **kwargs)
+                else:
                     out = self.fn(*args, **kwargs)
-            else:
-                out = self.fn(*args, **kwargs)
+            if timed:
+                backend.synchronize(device)
+                entry.eager_s = min(entry.eager_s, time.perf_counter() - start)
         backend.after_warmup(device, out)
         entry.runs += 1
         self.stats.count_eager("warmup", warn=False)
@@ -302,8 +386,9 @@ class Engine:
             if entry.state == READY:  # another thread captured it meanwhile
                 return self._replay(key, entry, flat)
             inplace = self.inplace.get(base, ())
-            start, before = time.perf_counter(), backend.memory_reserved(device)
+            start = time.perf_counter()
             static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
+            before = backend.memory_reserved(device)  # static buffers are counted apart
             try:
                 graph, out, written = self._record(flat, static, device, backend)
             except Exception as exc:  # noqa: BLE001 - any capture problem means eager
@@ -368,6 +453,8 @@ class Engine:
         with self.lock:
             entry.state = READY
             entry.run = _runner(entry)
+            if self.options.min_speedup is not None:
+                entry.run = self._trial(entry, entry.run)
             entry.nbytes = nbytes
             stats.captures += 1
             stats.graphs += 1
@@ -376,6 +463,45 @@ class Engine:
             self._trim()
         logger.debug("%s: captured graph %d in %.1f ms, %d bytes", stats.name,
                      stats.captures, seconds * 1e3, nbytes)
+
+    # -- the cost gate (min_speedup) ------------------------------------------------
+    def _trial(self, entry: Entry, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``run``, timed on its first TRIALS calls; then the graph is judged."""
+        samples: list[float] = []
+        backend, device, engine = entry.backend, entry.device, weakref.ref(self)
+
+        def timed(leaves: Any) -> Any:
+            backend.synchronize(device)
+            start = time.perf_counter()
+            out = run(leaves)
+            backend.synchronize(device)
+            samples.append(time.perf_counter() - start)
+            me = engine()
+            if len(samples) >= TRIALS and me is not None:
+                me._judge(entry, timed, run, min(samples))
+            return out
+
+        return timed
+
+    def _judge(self, entry: Entry, timed: Callable[[Any], Any], run: Callable[[Any], Any],
+               replay_s: float) -> None:
+        """Keep the graph if it beats eager by ``min_speedup``; else the key runs eagerly."""
+        speedup = entry.eager_s / max(replay_s, 1e-9)
+        with self.lock:
+            if entry.run is not timed or entry.state != READY:  # judged, dropped or evicted
+                return
+            entry.speedup = speedup
+            if speedup >= self.options.min_speedup:  # type: ignore[operator]
+                entry.run = run
+                return
+            entry.backend.synchronize(entry.device)
+            self.stats.graphs -= 1
+            self.stats.graph_bytes -= entry.nbytes
+            entry.graph = entry.static = entry.build = entry.run = None
+            self._give_up(entry, NOT_WORTH)
+        logger.info("%s: graph replays in %.1f us, eager runs in %.1f us (%.2fx < "
+                    "min_speedup %.2f): this key runs eagerly", self.stats.name,
+                    replay_s * 1e6, entry.eager_s * 1e6, speedup, self.options.min_speedup)
 
     def _capture_failed(self, entry: Entry, flat: Flat, exc: Exception) -> Any:
         """Run the call eagerly; if eager succeeds, the key stays eager for good."""

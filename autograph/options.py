@@ -30,6 +30,9 @@ class Options:
         arguments carry it in dim 0, except those the function writes in place.
     pad_values: per argument (name or position), the value padded rows are filled with
         (default 0).
+    min_speedup: keep a graph only if its replays are at least this many times faster
+        than eager, timed on the key's warmup runs and its first replays (wall clock,
+        synchronized).  None: keep every graph.
     """
 
     warmup: int = 2
@@ -38,6 +41,7 @@ class Options:
     buckets: Sequence[int] | None = None
     batch_dims: Mapping[str | int, int | None] | None = field(default_factory=dict)
     pad_values: Mapping[str | int, Any] | None = field(default_factory=dict)
+    min_speedup: float | None = None
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -59,6 +63,14 @@ class Options:
             if not isinstance(mapping, Mapping):
                 raise ValueError(f"autograph: {name} must be a dict, got {mapping!r}")
             object.__setattr__(self, name, dict(mapping))
+        if self.min_speedup is not None:
+            speedup = self.min_speedup
+            if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) \
+                    or not speedup > 0:
+                raise ValueError(f"autograph: min_speedup must be a number > 0, got {speedup!r}")
+            if self.warmup < 1:
+                raise ValueError("autograph: min_speedup needs warmup >= 1 (eager runs are "
+                                 "what the graph is timed against)")
         for arg, dim in self.batch_dims.items():  # type: ignore[union-attr]
             if dim is not None:
                 _int_at_least(f"batch_dims[{arg!r}]", dim, 0)

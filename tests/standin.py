@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -80,12 +81,15 @@ def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> l
 class RecordedGraph:
     """Replays recorded operators on the recorded tensors."""
 
-    def __init__(self, ops: list[Any]) -> None:
+    def __init__(self, ops: list[Any], delay: float = 0.0) -> None:
         self.ops = ops
         self.replays = 0
+        self.delay = delay
 
     def replay(self) -> None:
         self.replays += 1
+        if self.delay:
+            time.sleep(self.delay)
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, recorded in self.ops:
                 fresh = func(*args, **kwargs)
@@ -107,6 +111,7 @@ class StandinBackend:
         self.reserved = 0
         self.captures = 0
         self.fail_next: BaseException | None = None
+        self.replay_delay = 0.0  # seconds each replay sleeps (to test min_speedup)
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -137,7 +142,7 @@ class StandinBackend:
             self._local.capturing = False
         self.captures += 1
         self.reserved += recorder.nbytes
-        return RecordedGraph(recorder.ops), out
+        return RecordedGraph(recorder.ops, self.replay_delay), out
 
     def memory_reserved(self, device: torch.device) -> int:
         return self.reserved

@@ -375,3 +375,22 @@ def test_zero_size_arguments():
             x, y = torch.randn(0, 3), torch.randn(3)
             torch.testing.assert_close(f(x, y), y)
     assert stats_of(f)["replays"] == 2
+
+
+@pytest.mark.parametrize("extra", [(), (3,), (2.5, None, "a", True)])
+def test_quick_key_is_the_full_key(extra):
+    """The replay fast path keys a call exactly as the general path does."""
+    m = nn.Linear(4, 4)
+
+    def f(x, *rest):
+        return m(x)
+
+    g = autograph.graphed(f)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            g(x, *extra)
+        engine = g._self_dispatch.engine
+        assert engine._quick_key((x, *extra)) == next(iter(engine.entries))
+        g(x, *extra)
+    assert autograph.stats(g)["replays"] == 1

@@ -220,3 +220,31 @@ def test_module_with_hooks_runs_eagerly():
     s = autograph.stats(g)
     assert s["captures"] == 0 and "Linear has forward hooks" in s["eager_reasons"]
     assert len(seen) == 8
+
+
+def _cpp_style_ptrs_equal(tensors, ptrs, indices):
+    """What torch's C++ ``_tensors_data_ptrs_at_indices_equal`` does (CUDA builds only)."""
+    return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+
+@pytest.mark.parametrize("check_in", ["python", "c++"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: setattr(m.fc.weight, "data", torch.randn(4, 4)),
+        lambda m: m.fc._parameters.__setitem__("weight", nn.Parameter(torch.randn(4, 4))),
+        lambda m: torch.utils.swap_tensors(m.fc.bias, nn.Parameter(torch.randn(4))),
+    ],
+    ids=["data", "dict-entry", "swap-tensors"],
+)
+def test_moved_parameters_are_seen_by_either_address_check(monkeypatch, change, check_in):
+    from autograph import guards
+
+    monkeypatch.setattr(guards, "_ptrs_equal", None if check_in == "python"
+                        else _cpp_style_ptrs_equal)
+    m = Scaled()
+    g = autograph.graphed(m)
+    check(g, m, 4)
+    change(m)
+    check(g, m, 4)
+    assert autograph.stats(g)["invalidations"] == 1

@@ -1,128 +1,158 @@
-"""``python -m autograph bench``: eager vs autograph vs a hand-written CUDA graph.
+"""``python -m autograph bench``: autograph against eager, a hand-written CUDA graph,
+``torch.compile(mode="reduce-overhead")`` and ``torch.cuda.make_graphed_callables``.
 
-Workloads: a GPT-2-small-shaped decode step (fp16, static KV cache of 1024 positions
-written in place) at batch 1 and 8, and a tiny 4-layer 256-wide MLP at batch 1 that
-shows the per-call overhead.  Every method is timed in the same run, interleaved round
-by round; the table shows the median microseconds per step and the ratios.
+Workloads: a GPT-2-small-shaped decode step (static KV cache of 1024 positions written
+in place) at each ``--batch``, a tiny 4-layer 256-wide MLP at batch 1 that shows the
+per-call overhead, and a variable-batch run (buckets against one graph per size).
+Every method gets the same inputs; its first three calls are timed together with its
+setup (warmup and capture, or compilation), its outputs are checked against eager, and
+the steady state is timed in rounds interleaved across methods (median microseconds per
+step).  A method that fails or differs from eager is reported, never timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
+import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from . import graphed, stats
 from .models import Decoder, mlp
+from .peers import METHODS, Method, build
 
-Step = Callable[[int], Any]
+FIRST_CALLS = 3  # calls timed with the setup: autograph's two warmups and its capture
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass
-class Row:
+class Result:
+    """One method on one workload."""
+
     workload: str
-    times: dict[str, float]  # method -> median seconds per step
+    batch: int
+    method: str
+    us_per_step: float | None  # median of the timed rounds; None if not timed
+    first_calls_ms: float | None  # setup plus the first FIRST_CALLS calls
+    note: str = ""
 
 
-def _hand_graph(fn: Callable[..., Any], static: list[torch.Tensor],
-                persistent: list[torch.Tensor]) -> tuple[Callable[..., Any], Any]:
-    """The hand-written reference: warm up on a side stream, capture once, then per
-    step copy the inputs in, replay, and clone the output out."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn(*static, *persistent)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(*static, *persistent)
+class Progress:
+    """One line per stage on stderr, so a long run (compilation) shows where it is."""
 
-    def step(*inputs: torch.Tensor) -> torch.Tensor:
-        for dst, src in zip(static, inputs):
-            dst.copy_(src)
-        graph.replay()
-        return out.clone()
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.start = time.perf_counter()
 
-    return step, graph
+    def __call__(self, text: str) -> None:
+        if self.enabled:
+            print(f"[{time.perf_counter() - self.start:6.1f}s] {text}", file=sys.stderr,
+                  flush=True)
 
 
-def _time(step: Step, iters: int) -> float:
+def run_workload(workload: str, batch: int, model: torch.nn.Module,
+                 inputs: Sequence[Sequence[torch.Tensor]],
+                 persistent: Callable[[], list[torch.Tensor]], methods: Sequence[str],
+                 rounds: int, tolerance: float, progress: Progress) -> list[Result]:
+    """Set up, check and time every method on ``model(*inputs[i], *persistent())``."""
+    results: dict[str, Result] = {}
+    ready: dict[str, Method] = {}
+    reference: list[Any] = []
+    for name in methods:
+        progress(f"{workload}: {name}: set-up and first calls")
+        try:
+            method, first, outs = _first_calls(name, model, inputs, persistent())
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run is reported
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            results[name] = Result(workload, batch, name, None, None,
+                                   f"failed: {type(exc).__name__}: {text}"[:160])
+            continue
+        results[name] = Result(workload, batch, name, None, first * 1e3)
+        if not reference:
+            reference = outs
+        elif not _close(outs, reference, tolerance):
+            results[name].note = "WRONG: differs from eager; not timed"
+            continue
+        ready[name] = method
+    progress(f"{workload}: timing {', '.join(ready)}")
+    for name, seconds in _measure(ready, inputs, rounds).items():
+        results[name].us_per_step = seconds * 1e6
+    for name, method in ready.items():
+        results[name].note = method.note()
+    return [results[name] for name in methods]
+
+
+def _first_calls(name: str, model: torch.nn.Module, inputs: Sequence[Sequence[torch.Tensor]],
+                 persistent: list[torch.Tensor]) -> tuple[Method, float, list[Any]]:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for i in range(iters):
-        step(i)
+    method = build(name, model, inputs[0], persistent)
+    # cloned at once: some methods hand out buffers that their next call overwrites
+    outs = [method.step(*inputs[i]).clone() for i in range(FIRST_CALLS)]
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+    return method, time.perf_counter() - start, outs
 
 
-def _measure(steps: dict[str, Step], iters: int, rounds: int) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for step in steps.values():  # warm every method (autograph captures here)
-        for i in range(4):
-            step(i)
+def _close(outs: list[Any], reference: list[Any], tolerance: float) -> bool:
+    try:
+        for got, expect in zip(outs, reference):
+            torch.testing.assert_close(got, expect, rtol=tolerance, atol=tolerance)
+    except AssertionError:
+        return False
+    return True
+
+
+def _measure(methods: dict[str, Method], inputs: Sequence[Sequence[torch.Tensor]],
+             rounds: int) -> dict[str, float]:
+    """Median seconds per step over ``rounds`` rounds, the methods interleaved."""
+    samples: dict[str, list[float]] = {name: [] for name in methods}
+    for method in methods.values():
+        for x in inputs[:4]:
+            method.step(*x)
     for _ in range(rounds):
-        for name, step in steps.items():
-            samples[name].append(_time(step, iters))
+        for name, method in methods.items():
+            step = method.step
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for x in inputs:
+                step(*x)
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / len(inputs))
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def bench_decode(batch: int, iters: int, rounds: int, layers: int = 12) -> Row:
+def bench_decode(batch: int, iters: int, rounds: int, methods: Sequence[str],
+                 progress: Progress, layers: int = 12, width: int = 768, heads: int = 12,
+                 dtype: torch.dtype = torch.float16) -> list[Result]:
     torch.manual_seed(0)
-    model = Decoder(layers=layers).cuda().half().eval()
+    model = Decoder(layers=layers, d=width, heads=heads).cuda().to(dtype).eval()
     vocab = model.lm_head.out_features
-    tokens = [torch.randint(0, vocab, (batch, 1), device="cuda") for _ in range(iters)]
-    positions = [torch.tensor([i % model.max_len], device="cuda") for i in range(iters)]
-    caches = {name: model.new_cache(batch) for name in ("eager", "hand", "autograph")}
-    fast = graphed(model)
-
+    inputs = [(torch.randint(0, vocab, (batch, 1), device="cuda"),
+               torch.tensor([i % model.max_len], device="cuda")) for i in range(iters)]
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
     with torch.no_grad():
-        hand, _ = _hand_graph(model, [tokens[0].clone(), positions[0].clone()],
-                              list(caches["hand"]))
-        _check_decode(model, fast, tokens, positions, batch)
-        steps: dict[str, Step] = {
-            "eager": lambda i: model(tokens[i], positions[i], *caches["eager"]),
-            "hand graph": lambda i: hand(tokens[i], positions[i]),
-            "autograph": lambda i: fast(tokens[i], positions[i], *caches["autograph"]),
-        }
-        times = _measure(steps, iters, rounds)
-    return Row(f"decode step B={batch}", times)
+        return run_workload(f"decode B={batch}", batch, model, inputs,
+                            lambda: list(model.new_cache(batch)), methods, rounds, tolerance,
+                            progress)
 
 
-def _check_decode(model: Decoder, fast: Any, tokens: list[torch.Tensor],
-                  positions: list[torch.Tensor], batch: int) -> None:
-    """Refuse to time a wrong result: autograph must match eager step by step."""
-    ref_cache, cache = model.new_cache(batch), model.new_cache(batch)
-    for i in range(6):
-        expect = model(tokens[i], positions[i], *ref_cache)
-        got = fast(tokens[i], positions[i], *cache)
-        torch.testing.assert_close(got, expect, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(cache[0], ref_cache[0], rtol=2e-2, atol=2e-2)
-
-
-def bench_mlp(iters: int, rounds: int) -> Row:
+def bench_mlp(iters: int, rounds: int, methods: Sequence[str], progress: Progress,
+              dtype: torch.dtype = torch.float32) -> list[Result]:
     torch.manual_seed(0)
-    model = mlp().cuda().eval()
-    xs = [torch.randn(1, 256, device="cuda") for _ in range(iters)]
-    fast = graphed(model)
+    model = mlp().cuda().to(dtype).eval()
+    inputs = [(torch.randn(1, 256, device="cuda", dtype=dtype),) for _ in range(iters)]
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
     with torch.no_grad():
-        hand, graph = _hand_graph(model, [xs[0].clone()], [])
-        for x in xs[:4]:
-            torch.testing.assert_close(fast(x), model(x))
-        steps: dict[str, Step] = {
-            "eager": lambda i: model(xs[i]),
-            "hand graph": lambda i: hand(xs[i]),
-            "autograph": lambda i: fast(xs[i]),
-            "replay alone": lambda i: graph.replay(),
-        }
-        times = _measure(steps, iters, rounds)
-    return Row("MLP 4x256 B=1", times)
+        results = run_workload("MLP 4x256 B=1", 1, model, inputs, list, methods, rounds,
+                               tolerance, progress)
+    return results
 
 
 @dataclass
@@ -195,46 +225,128 @@ def format_variable(rows: list[VariableRow]) -> str:
     return "\n".join(lines)
 
 
-def environment() -> str:
-    props = torch.cuda.get_device_properties(0)
-    return (
-        f"{datetime.date.today().isoformat()}, {props.name} (sm_{props.major}{props.minor}), "
-        f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-    )
+def environment() -> dict[str, Any]:
+    """The date and the plan fingerprint's fields: GPU, driver, CUDA, torch, autograph."""
+    from .plan import environment as fingerprint
+
+    return {"date": datetime.date.today().isoformat(), **fingerprint()}
 
 
-def format_table(rows: list[Row]) -> str:
-    head = (f"{'workload':<20} {'eager us':>10} {'hand graph us':>14} {'autograph us':>13} "
-            f"{'eager/autograph':>16} {'autograph/hand':>15} {'autograph-hand us':>18}")
+def format_table(results: list[Result]) -> str:
+    """Per workload: each method's time, its ratio to eager and to the hand-written
+    graph, and its first calls (set-up included)."""
+    head = (f"{'workload':<14} {'method':<23} {'us/step':>9} {'eager/x':>8} "
+            f"{'x/hand':>7} {'x-hand us':>9} {'first calls ms':>15}  note")
     lines = [head, "-" * len(head)]
-    for r in rows:
-        e, h, a = (r.times[k] * 1e6 for k in ("eager", "hand graph", "autograph"))
-        lines.append(f"{r.workload:<20} {e:>10.1f} {h:>14.1f} {a:>13.1f} {e / a:>15.2f}x "
-                     f"{a / h:>14.3f}x {a - h:>18.1f}")
-        if "replay alone" in r.times:
-            alone = r.times["replay alone"] * 1e6
-            lines.append(f"{'  (replay alone)':<20} {'':>10} {alone:>14.1f}")
+    for workload in dict.fromkeys(r.workload for r in results):
+        rows = [r for r in results if r.workload == workload]
+        times = {r.method: r.us_per_step for r in rows}
+        eager, hand = times.get("eager"), times.get("hand-graph")
+        for r in rows:
+            t = r.us_per_step
+            lines.append(
+                f"{workload:<14} {r.method:<23} {_num(t, '9.1f')} "
+                f"{_ratio(eager, t):>8} {_ratio(t, hand, 3):>7} "
+                f"{_num(t - hand if t is not None and hand else None, '9.1f')} "
+                f"{_num(r.first_calls_ms, '15.1f')}  {r.note}".rstrip())
     return "\n".join(lines)
 
 
+def _num(value: float | None, spec: str) -> str:
+    width = int(spec.split(".")[0])
+    return f"{value:{spec}}" if value is not None else f"{'-':>{width}}"
+
+
+def _ratio(a: float | None, b: float | None, digits: int = 2) -> str:
+    return f"{a / b:.{digits}f}x" if a and b else "-"
+
+
+def plot(results: list[Result], path: str, title: str) -> None:
+    """Decode latency per batch size for each method (needs matplotlib: the ``plot``
+    extra)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("autograph bench: --plot needs matplotlib "
+                         "(pip install 'autograph[plot]')") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    decode = [r for r in results if r.workload.startswith("decode")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in dict.fromkeys(r.method for r in decode):
+        points = sorted((r.batch, r.us_per_step / 1e3) for r in decode
+                        if r.method == method and r.us_per_step is not None)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=method)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("ms per decode step (median)")
+    ax.set_yscale("log")
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autograph bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m autograph bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=200, help="steps per timed sample")
     parser.add_argument("--rounds", type=int, default=15, help="timed samples per method")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8],
-                        help="decode batch sizes")
-    parser.add_argument("--layers", type=int, default=12, help="decoder layers")
-    parser.add_argument("--variable", action="store_true",
-                        help="also time a variable-batch run: buckets vs one graph per size")
+                        help="decode batch sizes (default: 1 8)")
+    parser.add_argument("--layers", type=int, default=12, help="decoder layers (default 12)")
+    parser.add_argument("--width", type=int, default=768, help="decoder width (default 768)")
+    parser.add_argument("--heads", type=int, default=12, help="attention heads (default 12)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16",
+                        help="decoder dtype (default fp16; the MLP is fp32)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        metavar="METHOD", help=f"methods to run (default: all of {METHODS})")
+    parser.add_argument("--no-variable", dest="variable", action="store_false",
+                        help="skip the variable-batch run")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON "
+                        "('-' for standard output, replacing the tables)")
+    parser.add_argument("--plot", metavar="PNG", help="draw decode latency per batch size "
+                        "for each method (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("autograph bench: no CUDA device here, nothing to measure "
               "(autograph runs every call eagerly without CUDA).")
         return 0
-    print(f"autograph bench: {environment()}", flush=True)
-    rows = [bench_decode(b, args.iters, args.rounds, args.layers) for b in args.batch]
-    rows.append(bench_mlp(args.iters * 5, args.rounds))
-    print(format_table(rows))
+    methods = ["eager"] + [m for m in args.methods if m != "eager"]  # eager is the reference
+    env = environment()
+    to_stdout = args.json == "-"
+    say = (lambda *a: None) if to_stdout else print
+    say("autograph bench: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    progress = Progress(not args.quiet)
+    results: list[Result] = []
+    for b in args.batch:
+        results += bench_decode(b, args.iters, args.rounds, methods, progress, args.layers,
+                                args.width, args.heads, DTYPES[args.dtype])
+    results += bench_mlp(args.iters * 5, args.rounds, methods, progress)
+    say(format_table(results), flush=True)
+    variable: list[VariableRow] = []
     if args.variable:
-        print(format_variable(bench_variable(rounds=args.rounds)))
+        progress("variable batch: eager, buckets, one graph per size")
+        variable = bench_variable(rounds=args.rounds)
+        say(format_variable(variable))
+    if args.json:
+        payload = {"environment": env, "options": vars(args),
+                   "results": [asdict(r) for r in results],
+                   "variable": [asdict(r) for r in variable]}
+        text = json.dumps(payload, indent=2)
+        if to_stdout:
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.plot:
+        plot(results, args.plot, f"autograph bench, {env['date']}: {env['gpu_name']} "
+             f"({env['gpu_arch']}), torch {env['torch']}, CUDA {env['cuda_runtime']}")
     return 0

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import switch as _switch
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
 from .stats import Stats, logger
-from .switch import is_disabled
 
 Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 LEARNING = "learning which arguments carry the batch"  # the eager reason of a first call
@@ -56,19 +56,23 @@ class Bucketer:
         self.names = positional_names
         self.module_state = module_state
         self.written: set[str | int] | None = None  # learned on the first call
+        self._plans: dict[Any, list[tuple[str | int, int]]] = {}
         self.verified: set[int] = set()
         self.unsafe: str | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.unsafe is not None or is_disabled():
+        if self.unsafe is not None or ((_switch._active or _switch.env_set())
+                                       and _switch.is_disabled()):
             return self.run(args, kwargs)
         if self.written is None:
             return self._learn(args, kwargs)
         batch = self._batch_args(args, kwargs)
-        rows = {_size(t, d) for _, t, d in batch}
-        if len(rows) != 1:
-            return self.run(args, kwargs)  # no batch, or disagreeing sizes: as it is
-        (real,) = rows
+        if not batch:
+            return self.run(args, kwargs)  # no batch: as it is
+        real = batch[0][1].shape[batch[0][2]]
+        for _, t, d in batch:
+            if t.shape[d] != real:
+                return self.run(args, kwargs)  # disagreeing sizes: as it is
         i = bisect.bisect_left(self.sizes, real)
         if i == len(self.sizes):
             self.stats.calls += 1
@@ -124,18 +128,33 @@ class Bucketer:
     def _batch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]
                     ) -> list[tuple[str | int, torch.Tensor, int]]:
         """(position or name, tensor, batch dim) of every argument carrying the batch."""
-        out: list[tuple[str | int, torch.Tensor, int]] = []
-        keyed: list[tuple[str | int, Any]] = [*enumerate(args), *kwargs.items()]
-        for key, value in keyed:
-            if not isinstance(value, torch.Tensor):
-                continue
-            name = self._name(key)
-            written = self.written or set()
-            default = None if (key in written or name in written) else 0
-            dim = self.dims.get(name, self.dims.get(key, default))
-            if dim is not None and dim < value.dim():
+        shape = (len(args), *kwargs) if kwargs else len(args)
+        plan = self._plans.get(shape)
+        if plan is None:
+            plan = self._plan(args, kwargs)
+            if len(self._plans) > 64:  # calls of ever new keyword sets: keep it bounded
+                self._plans.clear()
+            self._plans[shape] = plan
+        out = []
+        for key, dim in plan:
+            value = args[key] if type(key) is int else kwargs[key]
+            if isinstance(value, torch.Tensor) and dim < value.dim():
                 out.append((key, value, dim))
         return out
+
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> list[tuple[str | int, int]]:
+        """(position or name, batch dim) of the arguments that carry the batch when they
+        are tensors, for calls of this many positional arguments and these keywords."""
+        written = self.written or set()
+        plan: list[tuple[str | int, int]] = []
+        for key in (*range(len(args)), *kwargs):
+            name = self._name(key)
+            default = None if (key in written or name in written) else 0
+            dim = self.dims.get(name, self.dims.get(key, default))
+            if dim is not None:
+                plan.append((key, dim))
+        return plan
 
     def _poison_written(self, *copies: Any) -> None:
         """Fill the (copied) floating-point arguments the function writes with the same
@@ -208,11 +227,12 @@ def _pad(args: tuple[Any, ...], kwargs: dict[str, Any],
          pads: Mapping[str | int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     new_args, new_kwargs = list(args), dict(kwargs)
     for key, t, dim in batch:
+        real = t.shape[dim]
         shape = list(t.shape)
-        shape[dim] = size - shape[dim]
-        value = pads.get(key, 0)
-        filler = t.new_full(shape, value)
-        padded = torch.cat([t, filler], dim)
+        shape[dim] = size
+        padded = t.new_empty(shape)
+        padded.narrow(dim, 0, real).copy_(t)
+        padded.narrow(dim, real, size - real).fill_(pads.get(key, 0))
         if isinstance(key, int):
             new_args[key] = padded
         else:
@@ -221,6 +241,9 @@ def _pad(args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _slice(out: Any, size: int, real: int, dim: int) -> Any:
+    if type(out) is torch.Tensor:  # the common case, without a pytree walk
+        return out.narrow(dim, 0, real) if out.dim() > dim and out.shape[dim] == size else out
+
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == size:
             return x.narrow(dim, 0, real)

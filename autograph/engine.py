@@ -25,7 +25,7 @@ from .buckets import Bucketer
 from .buffers import StaticInputs, output_builder
 from .capture import Backend, Pool, backend_for
 from .guards import Watch, running
-from .keys import Flat, Uncapturable, key_call
+from .keys import Flat, Uncapturable, describe, key_call
 from .mutation import WriteRecorder, watch_map
 from .options import Options
 from .stats import Stats
@@ -51,6 +51,11 @@ def _modes(device: torch.device) -> tuple[bool, bool, Any, str]:
             _any_autocast() and _autocast(kind) and torch.get_autocast_dtype(kind),
             _matmul_precision())
 
+
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
+                                         lambda: False)
+_NO_RANGE = contextlib.nullcontext()
+record_function = torch.autograd.profiler.record_function
 
 # Warmups and captures are serialized process-wide: capture must not interleave with
 # another capture into the same pool, and it keeps warmup and capture on one stream.
@@ -114,6 +119,8 @@ class Engine:
         self.lock = threading.Lock()
         self._device: tuple[Any, Any, Callable[[], bool]] = (None, None, bool)
         self.options = options
+        self.labels = {what: f"autograph.{what} {stats.name}"
+                       for what in ("replay", "capture", "warmup", "eager")}
         # what callers call instead of the engine when buckets are on (holds the engine
         # weakly, so an engine and its graphs die without waiting for the cycle collector)
         self.front: Bucketer | None = None
@@ -150,13 +157,7 @@ class Engine:
                 entry = self.entries.get(key)
                 run = entry.run if entry is not None else None
                 if run is not None:
-                    result = run(args)
-                    stats.replays += 1
-                    try:
-                        self.entries.move_to_end(key)
-                    except KeyError:  # evicted meanwhile by another thread
-                        pass
-                    return result
+                    return self._replay(key, run, args)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -175,13 +176,7 @@ class Engine:
         entry = self.entries.get(key)
         run = entry.run if entry is not None else None
         if run is not None:
-            result = run(flat.leaves)
-            stats.replays += 1
-            try:
-                self.entries.move_to_end(key)
-            except KeyError:  # evicted meanwhile by another thread
-                pass
-            return result
+            return self._replay(key, run, flat.leaves)
         if entry is None:
             entry = self._new_entry(key)
         if entry.state == EAGER:
@@ -272,7 +267,7 @@ class Engine:
         return any(t.requires_grad for t in self.watch.tensors())
 
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        with running(self.watch):
+        with running(self.watch), self._range("eager"):
             return self.fn(*args, **kwargs)
 
     # -- entries ---------------------------------------------------------------------
@@ -350,7 +345,7 @@ class Engine:
         watch.assigned = None
         timed = self.options.min_speedup is not None and (entry.runs > 0 or
                                                           self.options.warmup == 1)
-        with _capture_lock, _warming(), running(watch):
+        with _capture_lock, _warming(), running(watch), self._range("warmup"):
             if timed:
                 backend.synchronize(device)
                 start = time.perf_counter()
@@ -384,7 +379,7 @@ class Engine:
         device = leaves[flat.tensor_pos[0]].device
         with _capture_lock:
             if entry.state == READY:  # another thread captured it meanwhile
-                return self._replay(key, entry, flat)
+                return self._replay(key, entry.run, flat.leaves)
             inplace = self.inplace.get(base, ())
             start = time.perf_counter()
             static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
@@ -421,7 +416,7 @@ class Engine:
                 self._give_up(entry, f"graph needs {nbytes} bytes, over max_graph_memory")
                 self.stats.count_eager(entry.reason)
                 return result
-            self._keep(entry, time.perf_counter() - start, nbytes)
+            self._keep(key, entry, time.perf_counter() - start, nbytes)
         return result
 
     def _record(self, flat: Flat, static: StaticInputs, device: torch.device,
@@ -431,7 +426,8 @@ class Engine:
         args, kwargs = flat.rebuild(leaves)
         recorder = WriteRecorder(watch_map(leaves, tuple(static.positions)))
         self.watch.assigned = None
-        with _warming(), running(self.watch), recorder, _no_autocast_cache():
+        with self._range("capture"), _warming(), running(self.watch), recorder, \
+                _no_autocast_cache():
             graph, out = backend.capture(device, lambda: self.fn(*args, **kwargs))
         return graph, out, recorder.written
 
@@ -448,7 +444,7 @@ class Engine:
         entry.graph = entry.static = entry.build = None
         self.stats.count_eager(IN_PLACE, warn=False)
 
-    def _keep(self, entry: Entry, seconds: float, nbytes: int) -> None:
+    def _keep(self, key: Any, entry: Entry, seconds: float, nbytes: int) -> None:
         stats = self.stats
         with self.lock:
             entry.state = READY
@@ -461,8 +457,9 @@ class Engine:
             stats.capture_seconds += seconds
             stats.graph_bytes += nbytes
             self._trim()
-        logger.debug("%s: captured graph %d in %.1f ms, %d bytes", stats.name,
-                     stats.captures, seconds * 1e3, nbytes)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: captured %s in %.1f ms, %.2f MiB of graph memory", stats.name,
+                         describe(key), seconds * 1e3, nbytes / 2**20)
 
     # -- the cost gate (min_speedup) ------------------------------------------------
     def _trial(self, entry: Entry, run: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -513,10 +510,23 @@ class Engine:
         return out
 
     # -- replay --------------------------------------------------------------------
-    def _replay(self, key: Any, entry: Entry, flat: Flat) -> Any:
-        result = entry.run(flat.leaves)  # type: ignore[misc]
+    def _replay(self, key: Any, run: Callable[[Any], Any], leaves: Any) -> Any:
+        if _profiling():
+            with record_function(self.labels["replay"]):
+                result = run(leaves)
+        else:
+            result = run(leaves)
         self.stats.replays += 1
+        try:
+            self.entries.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread
+            pass
         return result
+
+    def _range(self, what: str) -> contextlib.AbstractContextManager[Any]:
+        """A named range in torch.profiler traces (and Nsight, under ``emit_nvtx``)
+        while a profiler runs; nothing otherwise."""
+        return record_function(self.labels[what]) if _profiling() else _NO_RANGE
 
 
 def _runner(entry: Entry) -> Callable[[Any], Any]:

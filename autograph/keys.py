@@ -154,3 +154,24 @@ def key_call(
         else:
             parts.append(leaf_key(x))
     return flat, tuple(parts), device
+
+
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+          torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
+
+
+def describe(key: Any) -> str:
+    """A graph key in a few words, for logs: each tensor argument as dtype[shape] and
+    other arguments by value, e.g. ``(f16[8, 1], i64[1], 3)``."""
+    if len(key) == 2:
+        key = key[0]  # drop the addresses of arguments written in place
+    items = []
+    for part in key[1]:
+        if len(part) == 5 and isinstance(part[0], torch.Size):
+            dtype = _SHORT.get(part[2], str(part[2]).replace("torch.", ""))
+            items.append(f"{dtype}{list(part[0])}")
+        elif part[0] is float:
+            items.append(repr(float.fromhex(part[1])))
+        else:
+            items.append(repr(part[1]))
+    return "(" + ", ".join(items) + ")"

@@ -14,6 +14,7 @@ after capture by comparing the static buffers with the caller's tensors.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -45,12 +46,19 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
     return out
 
 
-class WriteRecorder(TorchDispatchMode):
+class _Recorder(TorchDispatchMode):
     """Records which of the watched storages an operator writes.
 
     ``watched`` maps a storage address to the argument positions that live in it;
     after the run, ``written`` holds the positions whose storage was written.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, whose first
+        # call imports Dynamo (seconds).  Without Dynamo imported, nothing can compile
+        # these frames, so this class is left unwrapped; see WriteRecorder().
+        return False
 
     def __init__(self, watched: dict[int, list[int]]) -> None:
         super().__init__()
@@ -84,3 +92,21 @@ def watch_map(leaves: list[Any], positions: tuple[int, ...]) -> dict[int, list[i
         if t.numel():
             watched.setdefault(storage_ptr(t), []).append(i)
     return watched
+
+
+class _DynamoSafeRecorder(_Recorder):
+    """The same, with __torch_dispatch__ kept out of Dynamo (torch's default for modes)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _Recorder.__torch_dispatch__
+
+
+def WriteRecorder(watched: dict[int, list[int]]) -> _Recorder:  # noqa: N802 - a class to callers
+    """A mode recording the watched storages written while it is active.  Dynamo-safe
+    once Dynamo is imported (torch.compile may then run inside the recorded call)."""
+    if "torch._dynamo" in sys.modules:
+        return _DynamoSafeRecorder(watched)
+    return _Recorder(watched)

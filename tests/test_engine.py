@@ -394,3 +394,21 @@ def test_quick_key_is_the_full_key(extra):
         assert engine._quick_key((x, *extra)) == next(iter(engine.entries))
         g(x, *extra)
     assert autograph.stats(g)["replays"] == 1
+
+
+def test_write_recorder_stays_out_of_dynamo_only_once_dynamo_is_imported(monkeypatch):
+    """Wrapping the recorder for Dynamo imports Dynamo on first use (seconds of a first
+    call); without Dynamo imported, nothing can compile the recorder's frames."""
+    import sys
+
+    from autograph import mutation
+
+    monkeypatch.setitem(sys.modules, "torch._dynamo", sys.modules.get("torch._dynamo", object()))
+    assert type(mutation.WriteRecorder({})) is mutation._DynamoSafeRecorder
+    monkeypatch.delitem(sys.modules, "torch._dynamo")
+    recorder = mutation.WriteRecorder({})
+    assert type(recorder) is mutation._Recorder
+    x = torch.zeros(3)
+    with mutation.WriteRecorder(mutation.watch_map([x], (0,))) as rec:
+        x.add_(1)
+    assert rec.written == {0}

@@ -54,6 +54,7 @@ def main():
             "entry.run(leaves)": lambda: entry.run((x,)),
             "key_call": lambda: key_call((x,), {}),
             "engine._key": lambda: engine._key((x,), {}),
+            "engine._quick_key": lambda: engine._quick_key((x,)),
             "watch.ok": engine.watch.ok,
             "entries.get": lambda: engine.entries.get(key),
         }

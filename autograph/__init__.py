@@ -6,6 +6,7 @@ Public API::
     @autograph.graphed(warmup=2, max_graphs=32)
     model = autograph.graphed(model)          # a module instance, transparently
     autograph.stats()                         # what happened, per graphed callable
+    autograph.report()                        # the same, as a table
     autograph.reset(obj=None)                 # drop graphs by hand
     with autograph.disabled(): ...            # eager everywhere (also AUTOGRAPH_DISABLE=1)
     with autograph.capture_region(): ...      # graph the module calls made in a block
@@ -14,8 +15,9 @@ Public API::
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TextIO, TypeVar, overload
 
 from . import stats as _stats
 from .options import Options
@@ -26,8 +28,8 @@ from .wrappers import stats_of as _stats_of
 
 __version__ = "0.1.0"
 __all__ = [
-    "__version__", "capture_region", "disabled", "graphed", "reset", "save_plan", "stats",
-    "warmup",
+    "__version__", "capture_region", "disabled", "graphed", "register_prometheus", "report",
+    "reset", "save_plan", "stats", "warmup",
 ]
 
 F = TypeVar("F")
@@ -200,3 +202,36 @@ def stats(obj: Any = None) -> dict[str, Any]:
     if obj is not None:
         return _stats_of(obj)
     return _stats.collect()
+
+
+def report(obj: Any = None, *, file: TextIO | None = None) -> None:
+    """Print :func:`stats` as a table: per callable its calls, replays, hit rate,
+    captures, eager runs (then each reason with its count), graphs, graph memory,
+    capture time and padding waste (padded rows per real row).  ``obj`` limits it to
+    one graphed object; ``file`` defaults to standard output."""
+    from .summary import format_report
+
+    table = format_report({_stats_name(obj): stats(obj)} if obj is not None else stats())
+    print(table, file=file if file is not None else sys.stdout)
+
+
+def _stats_name(obj: Any) -> str:
+    from .wrappers import name_of
+
+    return name_of(obj)
+
+
+def register_prometheus(registry: Any = None, *, prefix: str = "autograph") -> Any:
+    """Expose the counters of every graphed callable to Prometheus.
+
+    Registers a collector (returned) with ``registry`` (default: prometheus_client's
+    global one) that reads :func:`stats` at each scrape: ``autograph_calls_total``,
+    ``_replays_total``, ``_captures_total``, ``_eager_total{reason}``,
+    ``_capture_seconds_total``, ``_evictions_total``, ``_invalidations_total``,
+    ``_bucket_misses_total``, ``_bucket_rows_total{bucket,kind}`` and the gauges
+    ``autograph_graphs`` and ``autograph_graph_memory_bytes``, labelled by callable.
+    Needs ``prometheus-client`` (the ``prometheus`` extra); nothing runs per call.
+    """
+    from .metrics import register
+
+    return register(registry, prefix)

@@ -322,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     methods = ["eager"] + [m for m in args.methods if m != "eager"]  # eager is the reference
     env = environment()
     to_stdout = args.json == "-"
-    say = (lambda *a: None) if to_stdout else print
+    def say(*text: str, flush: bool = False) -> None:
+        if not to_stdout:  # with --json -, standard output carries the JSON alone
+            print(*text, flush=flush)
+
     say("autograph bench: " + ", ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     progress = Progress(not args.quiet)
     results: list[Result] = []

@@ -33,6 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import switch as _switch
+from .capture import backend_for
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
 from .stats import Stats, logger
@@ -67,8 +68,8 @@ class Bucketer:
         if self.written is None:
             return self._learn(args, kwargs)
         batch = self._batch_args(args, kwargs)
-        if not batch:
-            return self.run(args, kwargs)  # no batch: as it is
+        if not batch or not _graphable(batch[0][1].device):
+            return self.run(args, kwargs)  # no batch, or eager anyway: as it is
         real = batch[0][1].shape[batch[0][2]]
         for _, t, d in batch:
             if t.shape[d] != real:
@@ -137,7 +138,7 @@ class Bucketer:
             self._plans[shape] = plan
         out = []
         for key, dim in plan:
-            value = args[key] if type(key) is int else kwargs[key]
+            value = args[key] if isinstance(key, int) else kwargs[key]
             if isinstance(value, torch.Tensor) and dim < value.dim():
                 out.append((key, value, dim))
         return out
@@ -201,6 +202,12 @@ class Bucketer:
             return True
         self._turn_off(f"padding changes results ({problem})")
         return False
+
+
+def _graphable(device: torch.device) -> bool:
+    """Whether calls on ``device`` can be graphed at all (padding for an eager run would
+    only cost time)."""
+    return backend_for(device) is not None
 
 
 def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:

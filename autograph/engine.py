@@ -217,7 +217,7 @@ class Engine:
 
         Equal to the key ``_key`` gives the same call (plus the addresses of arguments
         written in place); it only skips building a :class:`Flat`."""
-        parts = []
+        parts: list[Any] = []
         device = None
         try:
             for x in args:
@@ -246,7 +246,7 @@ class Engine:
         modes = _modes(device)
         if modes[0] and self._autograd_records(args, range(len(args))):
             return None
-        key = (len(args), tuple(parts), modes, self.training())
+        key: Any = (len(args), tuple(parts), modes, self.training())
         if self.inplace:
             inplace = self.inplace.get(key)
             if inplace:
@@ -378,8 +378,12 @@ class Engine:
         leaves = list(flat.leaves)
         device = leaves[flat.tensor_pos[0]].device
         with _capture_lock:
-            if entry.state == READY:  # another thread captured it meanwhile
-                return self._replay(key, entry.run, flat.leaves)
+            run = entry.run
+            if run is not None:  # another thread captured it meanwhile
+                return self._replay(key, run, flat.leaves)
+            if entry.state == EAGER:  # another thread's capture of it failed meanwhile
+                self.stats.count_eager(entry.reason)
+                return self._eager(*flat.rebuild(leaves))
             inplace = self.inplace.get(base, ())
             start = time.perf_counter()
             static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])

@@ -257,6 +257,15 @@ def engine_of(obj: Any) -> Engine:
     raise TypeError(f"autograph: {type(obj).__qualname__} is not graphed")
 
 
+def name_of(obj: Any) -> str:
+    """The name ``stats()`` lists a graphed object under (its qualified name when its
+    counters are summed over several instances)."""
+    engines = _engines_of(obj)
+    if len(engines) == 1:
+        return engines[0].stats.name
+    return getattr(obj, "__qualname__", type(obj).__qualname__)
+
+
 def stats_of(obj: Any) -> dict[str, Any]:
     """The counters of one graphed object (summed over instances for a method)."""
     engines = _engines_of(obj)

@@ -15,9 +15,11 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 def test_public_names():
     assert set(autograph.__all__) == {
-        "__version__", "capture_region", "disabled", "graphed", "reset", "save_plan", "stats",
-        "warmup",
+        "__version__", "capture_region", "disabled", "graphed", "register_prometheus",
+        "report", "reset", "save_plan", "stats", "warmup",
     }
+    for name in autograph.__all__:
+        assert name == "__version__" or getattr(autograph, name).__doc__, name
 
 
 def test_bare_decorator_keeps_name_doc_signature():

@@ -171,3 +171,4 @@ def test_variable_batch_benchmark_runs_and_reports(standin):
     assert by["one graph per size"].graphs == 16
     assert 0 < by["buckets [1,2,4,8,16]"].padding_waste < 1
     assert by["eager"].graphs == 0 and "padding waste" in format_variable(rows)
+

@@ -206,3 +206,14 @@ def test_tensor_subclass_and_sparse_arguments_run_eagerly(standin):
     reasons = autograph.stats(f)["eager_reasons"]
     assert "tensor subclass Sub argument" in reasons
     assert "torch.sparse_coo tensor argument" in reasons
+
+
+def test_calls_that_run_eagerly_anyway_are_not_padded():
+    """Without a backend for the device (here: no stand-in), padding would only cost."""
+    m = nn.Linear(4, 4)
+    g = autograph.graphed(m, buckets=[4, 8])
+    with torch.no_grad():
+        for n in (3, 3, 5):
+            torch.testing.assert_close(g(torch.ones(n, 4)), m(torch.ones(n, 4)))
+    s = autograph.stats(g)
+    assert s["buckets"] == {} and s["replays"] == 0

@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,11 +44,15 @@ _matmul_precision = getattr(
 
 def _modes(device: torch.device) -> tuple[bool, bool, Any, str]:
     """The global modes a graph bakes in: grad, inference, autocast dtype, matmul
-    precision."""
-    kind = device.type
-    return (_grad_enabled(), _inference_mode(),
-            _any_autocast() and _autocast(kind) and torch.get_autocast_dtype(kind),
+    precision.  (``_quick_key`` computes the same tuple inline.)"""
+    return (_grad_enabled(), _inference_mode(), _any_autocast() and _autocast_of(device),
             _matmul_precision())
+
+
+def _autocast_of(device: torch.device) -> Any:
+    """The autocast dtype for ``device``'s type, or False when autocast is off there."""
+    kind = device.type
+    return _autocast(kind) and torch.get_autocast_dtype(kind)
 
 
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
@@ -74,7 +77,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "graph", "static", "build", "pool", "nbytes", "device",
-        "backend", "run", "eager_s", "speedup",
+        "backend", "run", "eager_s", "speedup", "used",
     )
 
     def __init__(self) -> None:
@@ -91,6 +94,7 @@ class Entry:
         self.run: Callable[[Any], Any] | None = None  # set once the entry is READY
         self.eager_s = float("inf")  # fastest timed warmup run (under min_speedup)
         self.speedup: float | None = None  # eager / replay time, once judged
+        self.used = 0  # the engine's use count at this entry's last replay (for LRU)
 
 
 class Engine:
@@ -114,7 +118,8 @@ class Engine:
         self.watch = watch
         self.training = training
         self.names = names or []
-        self.entries: OrderedDict[Any, Entry] = OrderedDict()
+        self.entries: dict[Any, Entry] = {}
+        self.uses = 0  # stamps entries for least-recently-used eviction
         self.inplace: dict[Any, tuple[int, ...]] = {}
         self.lock = threading.Lock()
         self._device: tuple[Any, Any, Callable[[], bool]] = (None, None, bool)
@@ -155,9 +160,10 @@ class Engine:
             key = self._quick_key(args)
             if key is not None:
                 entry = self.entries.get(key)
-                run = entry.run if entry is not None else None
-                if run is not None:
-                    return self._replay(key, run, args)
+                if entry is not None:
+                    run = entry.run
+                    if run is not None:
+                        return self._replay(entry, run, args)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -174,11 +180,11 @@ class Engine:
             if inplace:
                 key = (base, tuple([flat.leaves[i].data_ptr() for i in inplace]))
         entry = self.entries.get(key)
-        run = entry.run if entry is not None else None
-        if run is not None:
-            return self._replay(key, run, flat.leaves)
         if entry is None:
             entry = self._new_entry(key)
+        run = entry.run
+        if run is not None:
+            return self._replay(entry, run, flat.leaves)
         if entry.state == EAGER:
             stats.count_eager(entry.reason)
             return self._eager(args, kwargs)
@@ -243,9 +249,11 @@ class Engine:
         watch = self.watch
         if watch.hook_reason is not None or not watch.ok():
             return None
-        modes = _modes(device)
-        if modes[0] and self._autograd_records(args, range(len(args))):
+        grad = _grad_enabled()
+        if grad and self._autograd_records(args, range(len(args))):
             return None
+        modes = (grad, _inference_mode(), _any_autocast() and _autocast_of(device),
+                 _matmul_precision())
         key: Any = (len(args), tuple(parts), modes, self.training())
         if self.inplace:
             inplace = self.inplace.get(key)
@@ -276,6 +284,7 @@ class Engine:
             entry = self.entries.get(key)
             if entry is None:
                 entry = self.entries[key] = Entry()
+                self.uses = entry.used = self.uses + 1
                 self._trim()
             return entry
 
@@ -283,7 +292,8 @@ class Engine:
         """Evict least recently used entries: ready graphs past ``max_graphs``, and any
         entries past a bound that keeps ever-new keys from growing the dict."""
         limit, budget = self.options.max_graphs, self.options.max_graph_memory
-        ready = [(k, e.nbytes) for k, e in self.entries.items() if e.state == READY]
+        by_use = sorted(self.entries.items(), key=lambda item: item[1].used)  # stable
+        ready = [(k, e.nbytes) for k, e in by_use if e.state == READY]
         total = sum(n for _, n in ready)
         evict: list[Any] = []
         for k, n in ready[:-1]:  # oldest first; the newest graph is the one just kept
@@ -295,7 +305,7 @@ class Engine:
         self.stats.evictions += len(evict)
         excess = len(self.entries) - 8 * limit - 64
         if excess > 0:
-            idle = [k for k, e in self.entries.items() if e.state != READY]
+            idle = [k for k, e in by_use if e.state != READY]
             self._drop(idle[:excess])
 
     def _drop(self, keys: list[Any]) -> None:
@@ -380,7 +390,7 @@ class Engine:
         with _capture_lock:
             run = entry.run
             if run is not None:  # another thread captured it meanwhile
-                return self._replay(key, run, flat.leaves)
+                return self._replay(entry, run, flat.leaves)
             if entry.state == EAGER:  # another thread's capture of it failed meanwhile
                 self.stats.count_eager(entry.reason)
                 return self._eager(*flat.rebuild(leaves))
@@ -452,6 +462,7 @@ class Engine:
         stats = self.stats
         with self.lock:
             entry.state = READY
+            self.uses = entry.used = self.uses + 1  # the newest graph: evicted last
             entry.run = _runner(entry)
             if self.options.min_speedup is not None:
                 entry.run = self._trial(entry, entry.run)
@@ -514,17 +525,14 @@ class Engine:
         return out
 
     # -- replay --------------------------------------------------------------------
-    def _replay(self, key: Any, run: Callable[[Any], Any], leaves: Any) -> Any:
+    def _replay(self, entry: Entry, run: Callable[[Any], Any], leaves: Any) -> Any:
         if _profiling():
             with record_function(self.labels["replay"]):
                 result = run(leaves)
         else:
             result = run(leaves)
         self.stats.replays += 1
-        try:
-            self.entries.move_to_end(key)
-        except KeyError:  # evicted meanwhile by another thread
-            pass
+        self.uses = entry.used = self.uses + 1  # (a stamp, not a count: races are harmless)
         return result
 
     def _range(self, what: str) -> contextlib.AbstractContextManager[Any]:

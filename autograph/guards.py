@@ -124,20 +124,18 @@ class Watch:
     def _current_ptrs(self) -> list[int]:
         return list(map(_ptr, map(_getitem, self._holders, self._names)))
 
-    def _moved(self) -> bool:
-        """True if any watched parameter or buffer has another address (or is gone)."""
-        tensors = list(map(_getitem, self._holders, self._names))
-        if _ptrs_equal is not None:
-            return not _ptrs_equal(tensors, self._ptrs, self._indices)
-        return list(map(_ptr, tensors)) != self._ptrs
 
     # -- the per-call check --------------------------------------------------------
     def ok(self) -> bool:
         """True while nothing a graph baked in has changed."""
         if self.dirty or self.stale:
             return False
-        try:
-            if self._moved():
+        try:  # has any watched parameter or buffer another address (or is it gone)?
+            tensors = list(map(_getitem, self._holders, self._names))
+            if _ptrs_equal is not None:
+                if not _ptrs_equal(tensors, self._ptrs, self._indices):
+                    return False
+            elif list(map(_ptr, tensors)) != self._ptrs:
                 return False
         except (KeyError, TypeError, AttributeError, RuntimeError):
             return False

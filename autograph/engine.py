@@ -184,7 +184,7 @@ class Engine:
             entry = self._new_entry(key)
         run = entry.run
         if run is not None:
-            return self._replay(entry, run, flat.leaves)
+            return self._replay(entry, run, flat.leaves, flat)
         if entry.state == EAGER:
             stats.count_eager(entry.reason)
             return self._eager(args, kwargs)
@@ -316,9 +316,7 @@ class Engine:
             backend.synchronize(device)
         for entry in entries:
             if entry.state == READY:
-                self.stats.graphs -= 1
-                self.stats.graph_bytes -= entry.nbytes
-                entry.graph = entry.static = entry.build = entry.run = None
+                self._forget_graph(entry, sync=False)
 
     def _rekey(self, key: Any, base: Any, entry: Entry, flat: Flat, inplace: set[int]) -> None:
         """Arguments at ``inplace`` are written by the function: key them by address."""
@@ -355,6 +353,7 @@ class Engine:
         watch.assigned = None
         timed = self.options.min_speedup is not None and (entry.runs > 0 or
                                                           self.options.warmup == 1)
+        self.stats.count_eager("warmup", warn=False)  # counted first: the run may raise
         with _capture_lock, _warming(), running(watch), self._range("warmup"):
             if timed:
                 backend.synchronize(device)
@@ -370,7 +369,6 @@ class Engine:
                 entry.eager_s = min(entry.eager_s, time.perf_counter() - start)
         backend.after_warmup(device, out)
         entry.runs += 1
-        self.stats.count_eager("warmup", warn=False)
         if watch.assigned:
             self._give_up(entry, f"forward assigns module attribute {watch.assigned}")
         elif recorder is not None and recorder.written:
@@ -390,7 +388,7 @@ class Engine:
         with _capture_lock:
             run = entry.run
             if run is not None:  # another thread captured it meanwhile
-                return self._replay(entry, run, flat.leaves)
+                return self._replay(entry, run, flat.leaves, flat)
             if entry.state == EAGER:  # another thread's capture of it failed meanwhile
                 self.stats.count_eager(entry.reason)
                 return self._eager(*flat.rebuild(leaves))
@@ -506,34 +504,64 @@ class Engine:
             if speedup >= self.options.min_speedup:  # type: ignore[operator]
                 entry.run = run
                 return
-            entry.backend.synchronize(entry.device)
-            self.stats.graphs -= 1
-            self.stats.graph_bytes -= entry.nbytes
-            entry.graph = entry.static = entry.build = entry.run = None
+            self._forget_graph(entry)
             self._give_up(entry, NOT_WORTH)
         logger.info("%s: graph replays in %.1f us, eager runs in %.1f us (%.2fx < "
                     "min_speedup %.2f): this key runs eagerly", self.stats.name,
                     replay_s * 1e6, entry.eager_s * 1e6, speedup, self.options.min_speedup)
 
     def _capture_failed(self, entry: Entry, flat: Flat, exc: Exception) -> Any:
-        """Run the call eagerly; if eager succeeds, the key stays eager for good."""
-        out = self._eager(*flat.rebuild(list(flat.leaves)))  # the user's own error propagates
+        """Run the call eagerly; if eager succeeds, the key stays eager for good (if eager
+        raises too, the error is the user's own: it propagates unchanged and the key
+        will be captured again)."""
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         reason = f"capture failed: {type(exc).__name__}: {first}"[:200]
+        try:
+            out = self._eager(*flat.rebuild(list(flat.leaves)))
+        except BaseException:
+            self.stats.count_eager(reason, warn=False)
+            raise
         self._give_up(entry, reason)
         self.stats.count_eager(reason)
         return out
 
     # -- replay --------------------------------------------------------------------
-    def _replay(self, entry: Entry, run: Callable[[Any], Any], leaves: Any) -> Any:
-        if _profiling():
-            with record_function(self.labels["replay"]):
+    def _replay(self, entry: Entry, run: Callable[[Any], Any], leaves: Any,
+                flat: Flat | None = None) -> Any:
+        """Replay ``entry`` for these leaves (the positional arguments, when ``flat`` is
+        None); if the replay itself fails, drop the graph and run eagerly."""
+        try:
+            if _profiling():
+                with record_function(self.labels["replay"]):
+                    result = run(leaves)
+            else:
                 result = run(leaves)
-        else:
-            result = run(leaves)
+        except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
+            return self._replay_failed(entry, exc, leaves, flat)
         self.stats.replays += 1
         self.uses = entry.used = self.uses + 1  # (a stamp, not a count: races are harmless)
         return result
+
+    def _replay_failed(self, entry: Entry, exc: Exception, leaves: Any,
+                       flat: Flat | None) -> Any:
+        reason = f"replay failed: {type(exc).__name__}: {str(exc).strip()[:120]}"
+        with self.lock:
+            if entry.state == READY:
+                self._forget_graph(entry)
+            self._give_up(entry, reason)
+        self.stats.count_eager(reason)
+        args, kwargs = flat.rebuild(list(leaves)) if flat is not None else (tuple(leaves), {})
+        return self._eager(args, kwargs)
+
+    def _forget_graph(self, entry: Entry, sync: bool = True) -> None:
+        """Free a ready entry's graph, once work in flight that may read its buffers is
+        done (``sync``)."""
+        if sync:
+            with contextlib.suppress(Exception):  # after a failed replay it may fail too
+                entry.backend.synchronize(entry.device)
+        self.stats.graphs -= 1
+        self.stats.graph_bytes -= entry.nbytes
+        entry.graph = entry.static = entry.build = entry.run = None
 
     def _range(self, what: str) -> contextlib.AbstractContextManager[Any]:
         """A named range in torch.profiler traces (and Nsight, under ``emit_nvtx``)

@@ -41,29 +41,6 @@ _SCALARS = (bool, int, float, str, type(None))
 _MISSING = object()
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 _getitem = operator.getitem
-# CUDA builds of torch check a list of tensors against recorded addresses in C++ (made
-# for inductor's CUDA graph trees); elsewhere the same check runs in Python.
-_ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
-    torch._C, "_tensors_data_ptrs_at_indices_equal", None
-)
-
-
-def _check_ptrs_equal() -> None:
-    """Use the C++ check only if it behaves as expected (it is private to torch)."""
-    global _ptrs_equal
-    if _ptrs_equal is None:
-        return
-    t = torch.ones(1)
-    try:
-        works = _ptrs_equal([t], [t.data_ptr()], [0]) is True and \
-            _ptrs_equal([t], [t.data_ptr() + 1], [0]) is False
-    except Exception:  # noqa: BLE001 - another signature: use the Python check
-        works = False
-    if not works:
-        _ptrs_equal = None
-
-
-_check_ptrs_equal()
 
 # id(module) -> the watches whose trees contain it
 _watched: dict[int, weakref.WeakSet[Watch]] = {}
@@ -87,7 +64,6 @@ class Watch:
         self._holders: list[Any] = []
         self._names: list[Any] = []
         self._ptrs: list[int] = []
-        self._indices: list[int] = []
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._ids: list[int] = []
         self.__weakref__: Any
@@ -113,7 +89,6 @@ class Watch:
         self._holders, self._names = holders, names
         self._refs = refs
         self._ptrs = self._current_ptrs()
-        self._indices = list(range(len(self._ptrs)))
         self.hook_reason = _hooks_reason(
             list(modules.values()), roots if not self._hooks_of_roots else []
         )
@@ -131,13 +106,9 @@ class Watch:
         if self.dirty or self.stale:
             return False
         try:  # has any watched parameter or buffer another address (or is it gone)?
-            tensors = list(map(_getitem, self._holders, self._names))
-            if _ptrs_equal is not None:
-                if not _ptrs_equal(tensors, self._ptrs, self._indices):
-                    return False
-            elif list(map(_ptr, tensors)) != self._ptrs:
+            if list(map(_ptr, map(_getitem, self._holders, self._names))) != self._ptrs:
                 return False
-        except (KeyError, TypeError, AttributeError, RuntimeError):
+        except (KeyError, TypeError, AttributeError):
             return False
         for get, value in self._refs:
             if not _same(get(), value):

@@ -60,12 +60,6 @@ def main():
         }
         for name, fn in rows.items():
             print(f"{name:<26} {best(fn):7.2f} us")
-        from autograph import guards
-
-        if guards._ptrs_equal is not None:  # the same check without torch's C++ helper
-            saved, guards._ptrs_equal = guards._ptrs_equal, None
-            print(f"{'watch.ok (Python check)':<26} {best(engine.watch.ok):7.2f} us")
-            guards._ptrs_equal = saved
 
 
 if __name__ == "__main__":

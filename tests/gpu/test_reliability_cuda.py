@@ -90,11 +90,15 @@ def test_many_threads_with_different_shapes_and_a_capture_beside_replays():
     g = autograph.graphed(m)
     errors = []
 
+    # Inputs are drawn before the threads start: while any thread captures, torch's
+    # default CUDA generator refuses random numbers in every thread (see README).
+    inputs = [[torch.randn(1 + (k + i // 20) % 6, 64, device="cuda") for i in range(60)]
+              for k in range(8)]
+
     def worker(k):
         try:
             with torch.no_grad():
-                for i in range(60):
-                    x = torch.randn(1 + (k + i // 20) % 6, 64, device="cuda")
+                for x in inputs[k]:
                     out = g(x)
                     torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-4)
         except Exception as exc:  # noqa: BLE001

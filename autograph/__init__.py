@@ -47,6 +47,7 @@ def graphed(
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
+    group: Any = None,
 ) -> F: ...
 @overload
 def graphed(
@@ -58,6 +59,7 @@ def graphed(
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
+    group: Any = None,
 ) -> Callable[[F], F]: ...
 
 
@@ -72,6 +74,7 @@ def graphed(
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
+    group: Any = None,
 ) -> Any:
     """Run a function, method or module through CUDA graphs, one per input key.
 
@@ -105,9 +108,15 @@ def graphed(
             eagerly, counted with its reason.  Eager is timed on the warmup runs after
             the first, the graph on its first three replays (synchronized wall clock).
             None (default): keep every graph.
+        group: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``) whose
+            ranks make the same calls, as tensor-parallel ranks do.  Each call is then
+            agreed across the ranks with one small all-reduce, so that all of them
+            replay the same graph, capture together, or run eagerly together; with
+            buckets, all pad to the bucket of the largest batch.  Collectives inside
+            the forward are captured.  None (default): no agreement.
     """
     options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                      min_speedup)
+                      min_speedup, group)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -122,6 +131,7 @@ def capture_region(
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
+    group: Any = None,
 ) -> Region:
     """Graph the module calls made inside a block, without touching the model.
 
@@ -139,7 +149,7 @@ def capture_region(
     Args: the options of :func:`graphed`.
     """
     return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                          min_speedup))
+                          min_speedup, group))
 
 
 def save_plan(path: str | os.PathLike[str]) -> None:

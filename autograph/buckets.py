@@ -36,6 +36,7 @@ from . import switch as _switch
 from .capture import backend_for
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
+from .ranks import Ranks
 from .stats import Stats, logger
 
 Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
@@ -47,7 +48,8 @@ class Bucketer:
 
     def __init__(self, options: Options, run: Call, eager: Call, stats: Stats,
                  positional_names: list[str],
-                 module_state: Callable[[], list[torch.Tensor]]) -> None:
+                 module_state: Callable[[], list[torch.Tensor]], ranks: Ranks | None = None
+                 ) -> None:
         self.sizes = options.buckets or ()
         self.dims = options.batch_dims or {}
         self.pads = options.pad_values or {}
@@ -56,32 +58,32 @@ class Bucketer:
         self.stats = stats
         self.names = positional_names
         self.module_state = module_state
+        self.ranks = ranks  # with a process group: the batch size is agreed across ranks
         self.written: set[str | int] | None = None  # learned on the first call
         self._plans: dict[Any, list[tuple[str | int, int]]] = {}
         self.verified: set[int] = set()
         self.unsafe: str | None = None
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.unsafe is not None or ((_switch._active or _switch.env_set())
-                                       and _switch.is_disabled()):
+        if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             return self.run(args, kwargs)
         if self.written is None:
-            return self._learn(args, kwargs)
-        batch = self._batch_args(args, kwargs)
-        if not batch or not _graphable(batch[0][1].device):
-            return self.run(args, kwargs)  # no batch, or eager anyway: as it is
-        real = batch[0][1].shape[batch[0][2]]
-        for _, t, d in batch:
-            if t.shape[d] != real:
-                return self.run(args, kwargs)  # disagreeing sizes: as it is
-        i = bisect.bisect_left(self.sizes, real)
+            return self._learn(args, kwargs)  # the first call, on every rank alike
+        batch = self._batch_args(args, kwargs) if self.unsafe is None else []
+        real = _rows(batch) if batch and _graphable(batch[0][1].device) else 0
+        target = real if self.ranks is None else self.ranks.agree_batch(real)
+        if not real or not target:
+            return self.run(args, kwargs)  # not bucketed here (or on some rank): as it is
+        i = bisect.bisect_left(self.sizes, target)
         if i == len(self.sizes):
             self.stats.calls += 1
             self.stats.bucket_misses += 1
-            self.stats.count_eager(f"batch {real} is larger than the largest bucket")
+            self.stats.count_eager(f"batch {target} is larger than the largest bucket")
             return self.eager(args, kwargs)
         size = self.sizes[i]
-        if size != real and size not in self.verified:
+        # with ranks, every rank checks a new bucket at the same step (the check runs
+        # the function, and its collectives, eagerly), even where it pads nothing
+        if size not in self.verified and (size != real or self.ranks is not None):
             if not self._padding_is_safe(args, kwargs, batch, size):
                 return self.run(args, kwargs)
         eager_before = self.stats.eager
@@ -202,6 +204,12 @@ class Bucketer:
             return True
         self._turn_off(f"padding changes results ({problem})")
         return False
+
+
+def _rows(batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
+    """The batch size all batch arguments agree on, or 0 when they disagree."""
+    real = batch[0][1].shape[batch[0][2]]
+    return real if all(t.shape[d] == real for _, t, d in batch) else 0
 
 
 def _graphable(device: torch.device) -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import ranks
 from . import switch as _switch
 from .buckets import Bucketer
 from .buffers import StaticInputs, output_builder
@@ -27,6 +28,7 @@ from .guards import Watch, running
 from .keys import Flat, Uncapturable, describe, key_call
 from .mutation import WriteRecorder, watch_map
 from .options import Options
+from .ranks import Ranks
 from .stats import Stats
 
 logger = logging.getLogger("autograph")
@@ -129,7 +131,9 @@ class Engine:
         # what callers call instead of the engine when buckets are on (holds the engine
         # weakly, so an engine and its graphs die without waiting for the cycle collector)
         self.front: Bucketer | None = None
-        if options.buckets:
+        self.ranks: Ranks | None = None
+        self.quick = True  # the replay fast path applies (not with ranks to agree with)
+        if options.buckets or options.group is not None:
             self.set_options(options, force=True)
 
     def set_options(self, options: Options, force: bool = False) -> None:
@@ -137,10 +141,12 @@ class Engine:
         if not force and (options is self.options or _same_options(options, self.options)):
             return  # a new region per step passes equal options: keep what was learned
         self.options = options
+        self.ranks = Ranks(options.group) if options.group is not None else None
+        self.quick = self.ranks is None
         if options.buckets:
             me = weakref.proxy(self)
             self.front = Bucketer(options, me, lambda a, k: me._eager(a, k), self.stats,
-                                  self.names, lambda: me._module_state())
+                                  self.names, lambda: me._module_state(), self.ranks)
         else:
             self.front = None
 
@@ -156,7 +162,7 @@ class Engine:
         if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             stats.count_eager("disabled", warn=False)
             return self.fn(*args, **kwargs)
-        if not kwargs and not _warming.active:
+        if not kwargs and not _warming.active and self.quick:
             key = self._quick_key(args)
             if key is not None:
                 entry = self.entries.get(key)
@@ -167,11 +173,14 @@ class Engine:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The general path: key the call with reasons, then replay, warm up or capture."""
+        """The general path: key the call with reasons, then replay, warm up or capture
+        (what the ranks agree on, with ``group``)."""
         stats = self.stats
         try:
             flat, key, backend = self._key(args, kwargs)
         except Uncapturable as exc:
+            if self.ranks is not None and not _nested():
+                self.ranks.agree(ranks.EAGER, 0, stats.name)
             stats.count_eager(str(exc))
             return self._eager(args, kwargs)
         base = key
@@ -183,14 +192,36 @@ class Engine:
         if entry is None:
             entry = self._new_entry(key)
         run = entry.run
+        action = (ranks.REPLAY if run is not None else ranks.EAGER if entry.state == EAGER
+                  else ranks.WARM if entry.runs < self.options.warmup else ranks.CAPTURE)
+        if self.ranks is not None and not _nested():
+            agreed = self.ranks.agree(action, ranks.digest(base), stats.name)
+            if agreed != action:
+                return self._follow(agreed, key, base, entry, flat, backend)
         if run is not None:
             return self._replay(entry, run, flat.leaves, flat)
-        if entry.state == EAGER:
+        if action == ranks.EAGER:
             stats.count_eager(entry.reason)
             return self._eager(args, kwargs)
-        if entry.runs < self.options.warmup:
+        if action == ranks.WARM:
             return self._warm(key, base, entry, flat, backend)
         return self._capture(key, base, entry, flat, backend)
+
+    def _follow(self, agreed: int, key: Any, base: Any, entry: Entry, flat: Flat,
+                backend: Backend) -> Any:
+        """Do what the ranks agreed on instead of what this rank proposed (a step behind
+        the others, never ahead: the agreed action is the least advanced proposal)."""
+        if agreed == ranks.WARM:
+            return self._warm(key, base, entry, flat, backend)
+        if agreed == ranks.CAPTURE:  # another rank lost its graph: capture again with it
+            with self.lock:
+                if entry.state == READY:
+                    self._forget_graph(entry)
+                    entry.state = WARMING
+            return self._capture(key, base, entry, flat, backend)
+        differ = self.ranks is not None and self.ranks.keys_differ
+        self.stats.count_eager(ranks.DISAGREE if differ else ranks.BEHIND)
+        return self._eager(*flat.rebuild(list(flat.leaves)))
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Flat, Any, Any]:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
@@ -620,6 +651,11 @@ def _no_autocast_cache() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
+
+
+def _nested() -> bool:
+    """True inside another graphed call's warmup or capture (which the ranks agreed on)."""
+    return bool(_warming.active and getattr(_local, "warming", 0))
 
 
 class _warming:

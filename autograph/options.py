@@ -33,6 +33,8 @@ class Options:
     min_speedup: keep a graph only if its replays are at least this many times faster
         than eager, timed on the key's warmup runs and its first replays (wall clock,
         synchronized).  None: keep every graph.
+    group: a ``torch.distributed`` process group whose ranks make the same calls: each
+        call is agreed across them (see ``ranks``).  None: no agreement.
     """
 
     warmup: int = 2
@@ -42,6 +44,7 @@ class Options:
     batch_dims: Mapping[str | int, int | None] | None = field(default_factory=dict)
     pad_values: Mapping[str | int, Any] | None = field(default_factory=dict)
     min_speedup: float | None = None
+    group: Any = None
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -71,6 +74,12 @@ class Options:
             if self.warmup < 1:
                 raise ValueError("autograph: min_speedup needs warmup >= 1 (eager runs are "
                                  "what the graph is timed against)")
+        if self.group is not None:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and isinstance(self.group, dist.ProcessGroup)):
+                raise ValueError("autograph: group must be a torch.distributed ProcessGroup "
+                                 f"(e.g. torch.distributed.group.WORLD), got {self.group!r}")
         for arg, dim in self.batch_dims.items():  # type: ignore[union-attr]
             if dim is not None:
                 _int_at_least(f"batch_dims[{arg!r}]", dim, 0)

@@ -93,6 +93,9 @@ class RecordedGraph:
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, recorded in self.ops:
                 fresh = func(*args, **kwargs)
+                for leaf in pytree.tree_leaves(fresh):
+                    if not isinstance(leaf, torch.Tensor) and hasattr(leaf, "wait"):
+                        leaf.wait()  # a collective's work: done before the next operator
                 for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
                     if isinstance(old, torch.Tensor) and _storage(old) != _storage(new):
                         old.copy_(new)

@@ -37,7 +37,7 @@ def test_two_gloo_ranks_agree_on_every_call_and_equal_eager():
     env.pop("AUTOGRAPH_DISABLE", None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--standalone", os.path.join(HERE, "dist", "ranks_check.py"), "cpu"],
+         "--standalone", os.path.join(HERE, "ranks_check.py"), "cpu"],
         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

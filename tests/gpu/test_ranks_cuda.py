@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs CUDA, NCCL and torchrun")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-CHECK = os.path.join(ROOT, "tests", "dist", "ranks_check.py")
+CHECK = os.path.join(ROOT, "tests", "ranks_check.py")
 
 
 def torchrun(n):

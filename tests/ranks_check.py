@@ -122,8 +122,10 @@ def main() -> None:
             expect = gained.lin(x) * (gained.gain * world)
             torch.testing.assert_close(bucketed(x), expect, **tol)
         s = autograph.stats(bucketed)
-        assert list(s["buckets"]) == [8], s["buckets"]
-        same_on_all_ranks((s["buckets"][8]["hits"], s["replays"], s["captures"]), "buckets")
+        bucket = 8 if world > 1 else 4  # the bucket of the largest batch of all ranks
+        assert list(s["buckets"]) == [bucket], s["buckets"]
+        same_on_all_ranks((s["buckets"][bucket]["hits"], s["replays"], s["captures"]),
+                          "buckets")
 
         # 4. calls whose keys differ across ranks run eagerly everywhere
         @autograph.graphed(group=group)

@@ -138,7 +138,8 @@ def main() -> None:
             x = torch.ones(2 + rank, D, device=device)
             torch.testing.assert_close(spread(x), x + float(sum(2 + r for r in range(world))))
         s = autograph.stats(spread)
-        assert s["replays"] == 0 and s["captures"] == 0, s
+        if world > 1:  # (a world of one has nobody to disagree with)
+            assert s["replays"] == 0 and s["captures"] == 0, s
         same_on_all_ranks(counts(spread), "counts of calls with different keys")
 
         # 5. a rank that must run eagerly takes the others with it

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +82,10 @@ class Bucketer:
             self.stats.count_eager(f"batch {target} is larger than the largest bucket")
             return self.eager(args, kwargs)
         size = self.sizes[i]
+        if self.ranks is not None and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: rank %d step %d: batch %d, largest of the ranks %d, bucket %d",
+                         self.stats.name, self.ranks.rank(), self.ranks.step + 1, real,
+                         target, size)
         # with ranks, every rank checks a new bucket at the same step (the check runs
         # the function, and its collectives, eagerly), even where it pads nothing
         if size not in self.verified and (size != real or self.ranks is not None):

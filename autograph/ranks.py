@@ -61,6 +61,9 @@ class Ranks:
         self.keys_differ = False  # at the last agreement
         self._warned: set[str] = set()
 
+    def rank(self) -> int:
+        return int(self.dist.get_rank(self.group))
+
     def _reduce_max(self, values: list[int]) -> list[int]:
         dist = self.dist
         device = torch.device("cpu")
@@ -78,12 +81,12 @@ class Ranks:
         agreed = EAGER if self.keys_differ else -neg_action
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: rank %d step %d: graph %016x, proposed %s, agreed %s", name,
-                         self.dist.get_rank(self.group), self.step, key_digest,
+                         self.rank(), self.step, key_digest,
                          NAMES[action], NAMES[agreed])
         if agreed != action and (action, agreed) not in self._warned:
             self._warned.add((action, agreed))  # type: ignore[arg-type]
             logger.warning("%s: rank %d step %d: would %s graph %016x, but the ranks agree "
-                           "on %s%s", name, self.dist.get_rank(self.group), self.step,
+                           "on %s%s", name, self.rank(), self.step,
                            NAMES[action], key_digest, NAMES[agreed],
                            " (their keys differ)" if self.keys_differ else "")
         return agreed

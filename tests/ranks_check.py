@@ -59,7 +59,6 @@ def main() -> None:
     device_kind = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     if device_kind == "cpu":
         from autograph.capture import use_backend
-
         from tests.standin import StandinBackend
 
         use_backend(StandinBackend())

@@ -58,6 +58,7 @@ class Ranks:
         self.dist = dist
         self.group = group
         self.step = 0
+        self.alone = dist.get_world_size(group) == 1  # nobody to agree with: no collective
         self.keys_differ = False  # at the last agreement
         self._warned: set[str] = set()
 
@@ -76,6 +77,8 @@ class Ranks:
     def agree(self, action: int, key_digest: int, name: str) -> int:
         """The action every rank takes for this call (one all-reduce)."""
         self.step += 1
+        if self.alone:
+            return action
         neg_action, low, high = self._reduce_max([-action, -key_digest, key_digest])
         self.keys_differ = -low != high
         agreed = EAGER if self.keys_differ else -neg_action
@@ -93,5 +96,7 @@ class Ranks:
 
     def agree_batch(self, rows: int) -> int:
         """The largest batch size of the ranks' calls (0 from a rank not bucketing)."""
+        if self.alone:
+            return rows
         low, high = self._reduce_max([-rows, rows])
         return 0 if -low == 0 else high

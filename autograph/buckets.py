@@ -49,8 +49,8 @@ class Bucketer:
 
     def __init__(self, options: Options, run: Call, eager: Call, stats: Stats,
                  positional_names: list[str],
-                 module_state: Callable[[], list[torch.Tensor]], ranks: Ranks | None = None
-                 ) -> None:
+                 module_state: Callable[[], list[torch.Tensor]], ranks: Ranks | None = None,
+                 changed: Callable[[], bool] = lambda: False) -> None:
         self.sizes = options.buckets or ()
         self.dims = options.batch_dims or {}
         self.pads = options.pad_values or {}
@@ -60,6 +60,7 @@ class Bucketer:
         self.names = positional_names
         self.module_state = module_state
         self.ranks = ranks  # with a process group: the batch size is agreed across ranks
+        self.changed = changed  # True once after the module changed (train/eval, weights)
         self.written: set[str | int] | None = None  # learned on the first call
         self._plans: dict[Any, list[tuple[str | int, int]]] = {}
         self.verified: set[int] = set()
@@ -68,11 +69,19 @@ class Bucketer:
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             return self.run(args, kwargs)
-        if self.written is None:
-            return self._learn(args, kwargs)  # the first call, on every rank alike
-        batch = self._batch_args(args, kwargs) if self.unsafe is None else []
+        if self.changed():  # what was learned and checked may no longer hold (train mode)
+            self._forget()
+        learning = self.written is None
+        batch = self._batch_args(args, kwargs) if not learning and self.unsafe is None else []
         real = _rows(batch) if batch and _graphable(batch[0][1].device) else 0
-        target = real if self.ranks is None else self.ranks.agree_batch(real)
+        if self.ranks is None:
+            if learning:
+                return self._learn(args, kwargs)
+            target = real
+        else:  # every rank agrees every call, learning or not (the same collectives)
+            target, anyone_learning = self.ranks.agree_batch(real, learning)
+            if anyone_learning:
+                return self._learn(args, kwargs) if learning else self.run(args, kwargs)
         if not real or not target:
             return self.run(args, kwargs)  # not bucketed here (or on some rank): as it is
         i = bisect.bisect_left(self.sizes, target)
@@ -102,9 +111,11 @@ class Bucketer:
 
     # -- which arguments carry the batch ---------------------------------------------
     def _learn(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """First call: run eagerly, noting the arguments the function writes in place,
-        and whether it writes module state (then padding is never checked, let alone
-        used: the check's extra runs would update that state)."""
+        """First call (and first after a module change): run it as it is, noting the
+        arguments the function writes in place, and whether it writes module state
+        (then padding is not checked, let alone used: the check's extra runs would
+        update that state).  Eagerly; with ranks, through the engine, whose agreement
+        the other ranks take part in."""
         leaves = list(args) + list(kwargs.values())
         tensors = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         watched = watch_map(leaves, tensors)
@@ -112,16 +123,28 @@ class Bucketer:
         for t in self.module_state():
             watched.setdefault(storage_ptr(t), []).append(state)
         recorder = WriteRecorder(watched)
-        self.stats.calls += 1
-        self.stats.count_eager(LEARNING, warn=False)
-        with recorder:
-            out = self.eager(args, kwargs)
+        if self.ranks is not None:
+            with recorder:
+                out = self.run(args, kwargs)
+        else:
+            self.stats.calls += 1
+            self.stats.count_eager(LEARNING, warn=False)
+            with recorder:
+                out = self.eager(args, kwargs)
         keys = [*range(len(args)), *kwargs]
         self.written = {keys[i] for i in recorder.written if i != state}
         self.written |= {self._name(k) for k in self.written if isinstance(k, int)}
         if state in recorder.written:
             self._turn_off("the call updates module state in place")
         return out
+
+    def _forget(self) -> None:
+        """Learn and check everything again from the next call."""
+        self.written = None
+        self.verified = set()
+        self.unsafe = None
+        self.stats.padding = None
+        self._plans = {}
 
     def _turn_off(self, why: str) -> None:
         self.unsafe = f"padding off: {why}; one graph per batch size"

@@ -146,9 +146,22 @@ class Engine:
         if options.buckets:
             me = weakref.proxy(self)
             self.front = Bucketer(options, me, lambda a, k: me._eager(a, k), self.stats,
-                                  self.names, lambda: me._module_state(), self.ranks)
+                                  self.names, lambda: me._module_state(), self.ranks,
+                                  lambda: me._module_changed())
         else:
             self.front = None
+
+    def _module_changed(self) -> bool:
+        """Bring the guard up to date before a bucketed call: True (and the graphs
+        dropped) if module state changed since it was last checked."""
+        watch = self.watch
+        if watch.ok():
+            return False
+        if watch.stale:
+            watch.refresh()
+            return False
+        self._invalidate()
+        return True
 
     def _module_state(self) -> list[torch.Tensor]:
         if self.watch.stale:

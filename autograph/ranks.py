@@ -94,9 +94,10 @@ class Ranks:
                            " (their keys differ)" if self.keys_differ else "")
         return agreed
 
-    def agree_batch(self, rows: int) -> int:
-        """The largest batch size of the ranks' calls (0 from a rank not bucketing)."""
+    def agree_batch(self, rows: int, learning: bool) -> tuple[int, bool]:
+        """The largest batch size of the ranks' calls (0 if a rank is not bucketing),
+        and whether any rank is learning its arguments (then none pads)."""
         if self.alone:
-            return rows
-        low, high = self._reduce_max([-rows, rows])
-        return 0 if -low == 0 else high
+            return rows, learning
+        low, high, anyone = self._reduce_max([-rows, rows, int(learning)])
+        return (0 if -low == 0 else high), bool(anyone)

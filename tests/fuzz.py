@@ -118,7 +118,10 @@ def run(seed: int, device: str, calls: int, *, warmup: int | None = None) -> dic
     torch.manual_seed(seed)
     model = build(rng, device).eval()
     reference = copy.deepcopy(model)
-    fast = autograph.graphed(model, warmup=warmup if warmup is not None else rng.randint(0, 2))
+    options: dict[str, Any] = {"warmup": warmup if warmup is not None else rng.randint(0, 2)}
+    if rng.random() < 0.3:  # buckets: padding is checked, and turned off where unsafe
+        options["buckets"] = [1, 2, 4, 8]
+    fast = autograph.graphed(model, **options)
     dtype = torch.float32
     d = model.d
     states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -1,5 +1,7 @@
 """Buckets (padding and slicing) and the graph memory budget, on the CPU stand-in."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -172,3 +174,24 @@ def test_variable_batch_benchmark_runs_and_reports(standin):
     assert 0 < by["buckets [1,2,4,8,16]"].padding_waste < 1
     assert by["eager"].graphs == 0 and "padding waste" in format_variable(rows)
 
+
+
+def test_switching_to_training_stops_padding_that_would_touch_running_statistics():
+    """Padding checked in eval mode must not carry over to training mode, where padded
+    rows would enter batch norm's running statistics."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    ref = copy.deepcopy(m)
+    g = autograph.graphed(m, buckets=[4, 8])
+    with torch.no_grad():
+        for mode in ("eval", "train", "eval"):
+            m.train(mode == "train")
+            ref.train(mode == "train")
+            for _ in range(4):
+                x = torch.randn(3, 4)
+                torch.testing.assert_close(g(x), ref(x))
+                torch.testing.assert_close(m[1].running_mean, ref[1].running_mean)
+                torch.testing.assert_close(m[1].running_var, ref[1].running_var)
+    s = autograph.stats(g)
+    assert s["calls"] == s["replays"] + s["captures"] + s["eager"]
+    assert s["invalidations"] >= 2

@@ -121,7 +121,15 @@ def run(seed: int, device: str, calls: int, *, warmup: int | None = None) -> dic
     options: dict[str, Any] = {"warmup": warmup if warmup is not None else rng.randint(0, 2)}
     if rng.random() < 0.3:  # buckets: padding is checked, and turned off where unsafe
         options["buckets"] = [1, 2, 4, 8]
-    fast = autograph.graphed(model, **options)
+    style = rng.choice(["wrapper", "wrapper", "region"])  # how the model is graphed
+    if style == "region":  # capture_region: the plain module, graphed inside the block
+        region = autograph.capture_region(**options)
+
+        def fast(*args: Any, **kwargs: Any) -> Any:
+            with region:
+                return model(*args, **kwargs)
+    else:
+        fast = autograph.graphed(model, **options)
     dtype = torch.float32
     d = model.d
     states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -170,7 +178,10 @@ def run(seed: int, device: str, calls: int, *, warmup: int | None = None) -> dic
         state, ref_state = states[b]
         grad = event == "grad" and rng.random() < 0.7
         with torch.set_grad_enabled(grad):
-            got, error = _attempt(fast, x, state)
+            if rng.random() < 0.2:  # keyword arguments take the general path
+                got, error = _attempt(lambda a, b: fast(a, state=b), x, state)
+            else:
+                got, error = _attempt(fast, x, state)
             expect, ref_error = _attempt(reference, x.clone(), ref_state)
         if error or ref_error:  # e.g. training batch norm over one value: both must raise
             assert type(error) is type(ref_error) and str(error) == str(ref_error), \
@@ -182,7 +193,7 @@ def run(seed: int, device: str, calls: int, *, warmup: int | None = None) -> dic
         for (name, a), (_, e) in zip(model.state_dict().items(),
                                      reference.state_dict().items()):
             _close(a, e, tol, fail(step, f"module state {name}"))
-    stats = autograph.stats(fast)
+    stats = autograph.stats(model if style == "region" else fast)
     assert stats["calls"] == stats["replays"] + stats["captures"] + stats["eager"], stats
     return {"replays": stats["replays"], "captures": stats["captures"],
             "eager": stats["eager"], "calls": stats["calls"]}

@@ -33,7 +33,7 @@ def test_fuzz_graphed_equals_eager_on_random_models_and_calls(capsys):
     with capsys.disabled():
         print(f"\nfuzz on cuda: {SEEDS} models, {totals}, failures {len(failures)}")
     assert not failures, "\n".join(failures[:5])
-    assert totals["replays"] > totals["calls"] // 5
+    assert totals["replays"] > totals["calls"] // 10  # graphs do get replayed
 
 
 class Noisy(nn.Module):

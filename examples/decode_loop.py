@@ -10,7 +10,7 @@ import time
 import torch
 
 import autograph
-from autograph.models import Decoder
+from autograph.cli.models import Decoder
 
 
 def generate(step, model, prompt, steps):

@@ -11,7 +11,7 @@ import time
 import torch
 
 import autograph
-from autograph.models import Decoder
+from autograph.cli.models import Decoder
 
 
 def decode(model, prompt, steps, region=None):

@@ -165,7 +165,7 @@ def test_bad_bucket_options_raise(kwargs):
 def test_variable_batch_benchmark_runs_and_reports(standin):
     """The benchmark's variable-batch run, on the CPU stand-in (its timings mean nothing
     here; what it counts does)."""
-    from autograph.bench import bench_variable, format_variable
+    from autograph.cli.bench import bench_variable, format_variable
 
     rows = bench_variable(steps=40, rounds=1, device="cpu", width=16)
     by = {r.method: r for r in rows}

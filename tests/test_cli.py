@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from autograph.__main__ import main
-from autograph.bench import Result, format_table, plot
+from autograph.cli import main
+from autograph.cli.bench import Result, format_table, plot
 
 
 def test_bench_without_cuda_says_so_and_exits_0(capsys, monkeypatch):

@@ -11,8 +11,8 @@ import time
 import torch
 
 import autograph
+from autograph.cli.models import mlp
 from autograph.keys import key_call
-from autograph.models import mlp
 
 
 def best(fn, n=20000, rounds=7):

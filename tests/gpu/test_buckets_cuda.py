@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import autograph
-from autograph.models import Decoder
+from autograph.cli.models import Decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

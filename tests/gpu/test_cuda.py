@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import autograph
-from autograph.models import Decoder, mlp
+from autograph.cli.models import Decoder, mlp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 import autograph
+from autograph.cli.models import mlp
 from autograph.engine import NOT_WORTH, TRIALS
-from autograph.models import mlp
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autograph
-from autograph.models import Decoder
+from autograph.cli.models import Decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

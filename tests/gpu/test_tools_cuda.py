@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import autograph
-from autograph.doctor import main as doctor
+from autograph.cli.doctor import main as doctor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

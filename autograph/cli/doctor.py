@@ -14,9 +14,9 @@ import traceback
 
 import torch
 
-from . import __version__, graphed, stats
-from .plan import environment
-from .switch import ENV_VAR, is_disabled
+from autograph import __version__, graphed, stats
+from autograph.plan import environment
+from autograph.switch import ENV_VAR, is_disabled
 
 
 def check_capture() -> str | None:

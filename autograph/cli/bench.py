@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from . import graphed, stats
+from autograph import graphed, stats
+
 from .models import Decoder, mlp
 from .peers import METHODS, Method, build
 
@@ -227,7 +228,7 @@ def format_variable(rows: list[VariableRow]) -> str:
 
 def environment() -> dict[str, Any]:
     """The date and the plan fingerprint's fields: GPU, driver, CUDA, torch, autograph."""
-    from .plan import environment as fingerprint
+    from autograph.plan import environment as fingerprint
 
     return {"date": datetime.date.today().isoformat(), **fingerprint()}
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import graphed, stats
+from autograph import graphed, stats
 
 METHODS = ("eager", "hand-graph", "autograph", "torch.compile", "make_graphed_callables")
 

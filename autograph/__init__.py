@@ -23,13 +23,14 @@ from . import stats as _stats
 from .options import Options
 from .region import Region
 from .switch import disabled
+from .vocab import EagerReason
 from .wrappers import reset, wrap
 from .wrappers import stats_of as _stats_of
 
 __version__ = "0.1.0"
 __all__ = [
-    "__version__", "capture_region", "disabled", "graphed", "register_prometheus", "report",
-    "reset", "save_plan", "stats", "warmup",
+    "EagerReason", "__version__", "capture_region", "disabled", "graphed",
+    "register_prometheus", "report", "reset", "save_plan", "stats", "warmup",
 ]
 
 F = TypeVar("F")
@@ -163,7 +164,7 @@ def save_plan(path: str | os.PathLike[str]) -> None:
     it before trusting the plan.
     """
     from . import plan
-    from .wrappers import live_engines
+    from .engines import live_engines
 
     plan.save(path, plan.describe(live_engines()))
 
@@ -194,9 +195,9 @@ def warmup(
     ``graph_memory_bytes`` and, when not captured, ``reason``.
     """
     from .ahead import warmup as _warmup
-    from .wrappers import engine_of
+    from .wrappers import handle_of
 
-    return _warmup(fn, args, kwargs, engine_of(fn), batch_sizes, plan)
+    return _warmup(fn, args, kwargs, handle_of(fn), batch_sizes, plan)
 
 
 def stats(obj: Any = None) -> dict[str, Any]:

@@ -20,26 +20,29 @@ from typing import Any
 import torch
 
 from . import plan as _plan
-from .buckets import LEARNING
-from .engine import IN_PLACE, Engine
+from .buckets import Bucketer
+from .dispatch import Engine
+from .engines import Handle
+from .vocab import EagerReason
 
 logger = logging.getLogger("autograph")
 
 
-def warmup(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], engine: Engine,
+def warmup(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handle: Handle,
            batch_sizes: Sequence[int] | None,
            plan: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
     """Capture ``fn`` for the example call, at each batch size, and from the plan."""
+    engine = handle.engine
     report: list[dict[str, Any]] = []
     if plan is not None:
         report += _from_plan(fn, args, engine, plan)
     sizes = batch_sizes if batch_sizes is not None else (engine.options.buckets or ())
     if sizes:
-        bucketer = engine.front
+        bucketer = handle.call if isinstance(handle.call, Bucketer) else None
         if bucketer is not None and bucketer.written is None:
             fn(*args, **kwargs)  # the first call learns which arguments carry the batch
         for size in sorted(set(sizes), reverse=True):
-            call_args, call_kwargs = _resized(engine, args, kwargs, size)
+            call_args, call_kwargs = _resized(bucketer, args, kwargs, size)
             report.append(_capture(fn, engine, call_args, call_kwargs, f"batch {size}"))
     elif plan is None or args or kwargs:
         report.append(_capture(fn, engine, args, kwargs, "example"))
@@ -58,8 +61,9 @@ def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, A
         fn(*args, **kwargs)
         if stats.captures > captures:
             break
-        if stats.eager > eager and stats.last_reason not in _WARMUP_REASONS:
-            reason = stats.last_reason
+        last = stats.last_reason
+        if stats.eager > eager and last is not None and last not in _WARMUP_REASONS:
+            reason = last.value
             break
     captured = stats.captures > captures
     entry = {
@@ -75,19 +79,18 @@ def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, A
 
 
 # eager runs that are part of getting a key captured, not a reason to give up on it
-_WARMUP_REASONS = {"warmup", LEARNING, IN_PLACE}
+_WARMUP_REASONS = {EagerReason.WARMUP, EagerReason.LEARNING, EagerReason.IN_PLACE}
 
 
-def _resized(engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any], size: int
-             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _resized(bucketer: Bucketer | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+             size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example call with ``size`` rows in every batch argument (rows repeated)."""
-    bucketer = engine.front
     if bucketer is None:
         raise ValueError(
             "autograph.warmup: batch_sizes needs a callable graphed with buckets= "
             "(it says which arguments carry the batch)"
         )
-    batch = bucketer._batch_args(args, kwargs)
+    batch = bucketer.batch_args(args, kwargs)
     sizes = {key: int(t.shape[dim]) for key, t, dim in batch}
     if len(set(sizes.values())) > 1:
         raise ValueError(

@@ -35,61 +35,81 @@ from torch.utils import _pytree as pytree
 
 from . import switch as _switch
 from .capture import backend_for
+from .dispatch import Engine
+from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
-from .ranks import Ranks
-from .stats import Stats, logger
+from .verify import tolerance
+from .vocab import EagerReason, Uncapturable, logger
 
-Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
-LEARNING = "learning which arguments carry the batch"  # the eager reason of a first call
+Batch = list[tuple[str | int, torch.Tensor, int]]  # (position or name, tensor, batch dim)
+
+
+class Learned:
+    """What was learned for one context (non-tensor arguments, module mode, grad)."""
+
+    __slots__ = ("written", "verified", "unsafe")
+
+    def __init__(self, written: set[str | int]) -> None:
+        self.written = written  # positions and names of arguments written in place
+        self.verified: set[int] = set()  # buckets whose padding was checked
+        self.unsafe: str | None = None  # why padding is off in this context
 
 
 class Bucketer:
-    """Pads calls up to ``options.buckets`` in front of an engine call."""
+    """Pads calls up to ``options.buckets`` in front of an engine; counts the calls."""
 
-    def __init__(self, options: Options, run: Call, eager: Call, stats: Stats,
-                 positional_names: list[str],
-                 module_state: Callable[[], list[torch.Tensor]], ranks: Ranks | None = None,
-                 changed: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, engine: Engine, options: Options) -> None:
+        self.engine = engine
+        self.stats = engine.stats
+        self.names = engine.names
+        self.ranks = engine.ranks  # with a process group: the batch size is agreed
         self.sizes = options.buckets or ()
         self.dims = options.batch_dims or {}
         self.pads = options.pad_values or {}
-        self.run = run  # the engine, keyed by the padded shapes
-        self.eager = eager  # the original function, counted by nobody
-        self.stats = stats
-        self.names = positional_names
-        self.module_state = module_state
-        self.ranks = ranks  # with a process group: the batch size is agreed across ranks
-        self.changed = changed  # True once after the module changed (train/eval, weights)
-        self.written: set[str | int] | None = None  # learned on the first call
+        self._learned: dict[Any, Learned] = {}
         self._plans: dict[Any, list[tuple[str | int, int]]] = {}
-        self.verified: set[int] = set()
-        self.unsafe: str | None = None
+
+    @property
+    def written(self) -> set[str | int] | None:
+        """The arguments written in place, as learned on the last context (or None)."""
+        if not self._learned:
+            return None
+        return next(reversed(self._learned.values())).written
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.stats.calls += 1
+        engine = self.engine
         if (_switch._active or _switch.env_set()) and _switch.is_disabled():
-            return self.run(args, kwargs)
-        if self.changed():  # what was learned and checked may no longer hold (train mode)
+            return engine.dispatch(args, kwargs)
+        if engine.check_guards():  # module state changed: learn and check again
             self._forget()
-        learning = self.written is None
-        batch = self._batch_args(args, kwargs) if not learning and self.unsafe is None else []
+        context = self._context(args, kwargs)
+        learned = self._learned.get(context) if context is not None else None
+        learning = learned is None and context is not None
+        batch = self._batch_args(args, kwargs, learned) if learned and not learned.unsafe else []
         real = _rows(batch) if batch and _graphable(batch[0][1].device) else 0
         if self.ranks is None:
             if learning:
-                return self._learn(args, kwargs)
+                return self._learn(context, args, kwargs)
             target = real
         else:  # every rank agrees every call, learning or not (the same collectives)
             target, anyone_learning = self.ranks.agree_batch(real, learning)
             if anyone_learning:
-                return self._learn(args, kwargs) if learning else self.run(args, kwargs)
-        if not real or not target:
-            return self.run(args, kwargs)  # not bucketed here (or on some rank): as it is
+                return self._learn(context, args, kwargs) if learning \
+                    else engine.dispatch(args, kwargs)
+        if not real or not target or learned is None:
+            return engine.dispatch(args, kwargs)  # not bucketed (here or on some rank)
+        return self._bucketed(args, kwargs, batch, learned, real, target)
+
+    def _bucketed(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
+                  learned: Learned, real: int, target: int) -> Any:
         i = bisect.bisect_left(self.sizes, target)
         if i == len(self.sizes):
-            self.stats.calls += 1
             self.stats.bucket_misses += 1
-            self.stats.count_eager(f"batch {target} is larger than the largest bucket")
-            return self.eager(args, kwargs)
+            self.stats.count_eager(EagerReason.BUCKET_MISS,
+                                   f"largest bucket {self.sizes[-1]}")
+            return self.engine.eager(args, kwargs)
         size = self.sizes[i]
         if self.ranks is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: rank %d step %d: batch %d, largest of the ranks %d, bucket %d",
@@ -97,75 +117,105 @@ class Bucketer:
                          target, size)
         # with ranks, every rank checks a new bucket at the same step (the check runs
         # the function, and its collectives, eagerly), even where it pads nothing
-        if size not in self.verified and (size != real or self.ranks is not None):
-            if not self._padding_is_safe(args, kwargs, batch, size):
-                return self.run(args, kwargs)
+        if size not in learned.verified and (size != real or self.ranks is not None):
+            if not self._padding_is_safe(args, kwargs, batch, size, learned):
+                return self.engine.dispatch(args, kwargs)
         eager_before = self.stats.eager
         if size == real:
-            out = self.run(args, kwargs)
+            out = self.engine.dispatch(args, kwargs)
         else:
-            padded_args, padded_kwargs = _pad(args, kwargs, batch, size, self.pads)
-            out = _slice(self.run(padded_args, padded_kwargs), size, real, self._out_dim(batch))
+            padded_args, padded_kwargs = self._pad(args, kwargs, batch, size)
+            out = _slice(self.engine.dispatch(padded_args, padded_kwargs), size, real,
+                         _out_dim(batch))
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
         return out
 
-    # -- which arguments carry the batch ---------------------------------------------
-    def _learn(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """First call (and first after a module change): run it as it is, noting the
-        arguments the function writes in place, and whether it writes module state
-        (then padding is not checked, let alone used: the check's extra runs would
-        update that state).  Eagerly; with ranks, through the engine, whose agreement
-        the other ranks take part in."""
+    # -- what is learned, per context ---------------------------------------------------
+    def _context(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """What decides which arguments are written and whether padding is safe besides
+        the tensors' rows: the non-tensor arguments by value, the tensor arguments'
+        dtypes, the module's mode and grad mode.  None: a call that cannot be keyed."""
+        parts: list[Any] = [self.engine.training(), torch.is_grad_enabled()]
+        try:
+            for x in (*args, *kwargs.values()):
+                parts.append(x.dtype if isinstance(x, torch.Tensor) else leaf_key(x))
+        except Uncapturable:
+            return None
+        return (len(args), tuple(kwargs), tuple(parts))
+
+    def _learn(self, context: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The first call of a context: run it as it is, eagerly, noting the arguments it
+        writes in place and whether it writes module state (then padding is off in this
+        context: the check's extra runs would update that state)."""
         leaves = list(args) + list(kwargs.values())
         tensors = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         watched = watch_map(leaves, tensors)
         state = -1  # a position no argument has
-        for t in self.module_state():
+        for t in self.engine.module_tensors():
             watched.setdefault(storage_ptr(t), []).append(state)
         recorder = WriteRecorder(watched)
-        if self.ranks is not None:
+        if self.ranks is not None:  # through the engine, whose agreement the ranks join
             with recorder:
-                out = self.run(args, kwargs)
-        else:
-            self.stats.calls += 1
-            self.stats.count_eager(LEARNING, warn=False)
+                out = self.engine.dispatch(args, kwargs)
+        else:  # eagerly: a replay would hide its writes from the recorder
+            self.stats.count_eager(EagerReason.LEARNING, warn=False)
             with recorder:
-                out = self.eager(args, kwargs)
+                out = self.engine.eager(args, kwargs)
         keys = [*range(len(args)), *kwargs]
-        self.written = {keys[i] for i in recorder.written if i != state}
-        self.written |= {self._name(k) for k in self.written if isinstance(k, int)}
+        written = {keys[i] for i in recorder.written if i != state}
+        written |= {self._name(k) for k in written if isinstance(k, int)}
+        learned = self._learned[context] = Learned(written)
+        if len(self._learned) > 256:  # ever new non-tensor values: keep it bounded
+            self._learned.pop(next(iter(self._learned)))
         if state in recorder.written:
-            self._turn_off("the call updates module state in place")
+            self._turn_off(learned, "the call updates module state in place")
         return out
+
+    def batch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Batch:
+        """The arguments that carry the batch in this call (as learned for its context;
+        by ``batch_dims`` and the defaults before anything was learned)."""
+        context = self._context(args, kwargs)
+        learned = self._learned.get(context) if context is not None else None
+        return self._batch_args(args, kwargs, learned or Learned(set()))
 
     def _forget(self) -> None:
         """Learn and check everything again from the next call."""
-        self.written = None
-        self.verified = set()
-        self.unsafe = None
-        self.stats.padding = None
+        self._learned = {}
         self._plans = {}
+        self.stats.padding = None
 
-    def _turn_off(self, why: str) -> None:
-        self.unsafe = f"padding off: {why}; one graph per batch size"
-        self.stats.padding = self.unsafe
-        logger.warning("%s: %s", self.stats.name, self.unsafe)
+    def _turn_off(self, learned: Learned, why: str) -> None:
+        learned.unsafe = f"padding off: {why}; one graph per batch size"
+        self.stats.padding = learned.unsafe
+        logger.warning("%s: %s", self.stats.name, learned.unsafe)
 
     def _name(self, key: str | int) -> str | int:
         if isinstance(key, int) and key < len(self.names):
             return self.names[key]
         return key
 
-    def _batch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> list[tuple[str | int, torch.Tensor, int]]:
+    def _option(self, mapping: Mapping[str | int, Any], key: str | int, default: Any) -> Any:
+        """An argument's entry in ``batch_dims`` or ``pad_values``, by name or position
+        alike, whether the call passed it by position or by keyword."""
+        name = self._name(key)
+        if name in mapping:
+            return mapping[name]
+        if key in mapping:
+            return mapping[key]
+        if isinstance(key, str) and key in self.names and self.names.index(key) in mapping:
+            return mapping[self.names.index(key)]
+        return default
+
+    def _batch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    learned: Learned) -> Batch:
         """(position or name, tensor, batch dim) of every argument carrying the batch."""
         shape = (len(args), *kwargs) if kwargs else len(args)
-        plan = self._plans.get(shape)
+        plan = self._plans.get((shape, id(learned)))
         if plan is None:
-            plan = self._plan(args, kwargs)
+            plan = self._plan(args, kwargs, learned.written)
             if len(self._plans) > 64:  # calls of ever new keyword sets: keep it bounded
                 self._plans.clear()
-            self._plans[shape] = plan
+            self._plans[(shape, id(learned))] = plan
         out = []
         for key, dim in plan:
             value = args[key] if isinstance(key, int) else kwargs[key]
@@ -173,26 +223,39 @@ class Bucketer:
                 out.append((key, value, dim))
         return out
 
-    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], written: set[str | int]
               ) -> list[tuple[str | int, int]]:
         """(position or name, batch dim) of the arguments that carry the batch when they
         are tensors, for calls of this many positional arguments and these keywords."""
-        written = self.written or set()
         plan: list[tuple[str | int, int]] = []
         for key in (*range(len(args)), *kwargs):
-            name = self._name(key)
-            default = None if (key in written or name in written) else 0
-            dim = self.dims.get(name, self.dims.get(key, default))
+            default = None if (key in written or self._name(key) in written) else 0
+            dim = self._option(self.dims, key, default)
             if dim is not None:
                 plan.append((key, dim))
         return plan
 
-    def _poison_written(self, *copies: Any) -> None:
+    def _pad(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, size: int
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for key, t, dim in batch:
+            real = t.shape[dim]
+            shape = list(t.shape)
+            shape[dim] = size
+            padded = _empty_in_layout(t, shape)
+            padded.narrow(dim, 0, real).copy_(t)
+            padded.narrow(dim, real, size - real).fill_(self._option(self.pads, key, 0))
+            if isinstance(key, int):
+                new_args[key] = padded
+            else:
+                new_kwargs[key] = padded
+        return tuple(new_args), new_kwargs
+
+    def _poison_written(self, written: set[str | int], *copies: Any) -> None:
         """Fill the (copied) floating-point arguments the function writes with the same
         random values in both runs: a padded row writing into a cache is then seen even
         where it would write what the cache happens to hold already."""
         plain_args, plain_kwargs, pad_args, pad_kwargs = copies
-        written = self.written or set()
         for key in (*range(len(plain_args)), *plain_kwargs):
             if key not in written and self._name(key) not in written:
                 continue
@@ -202,25 +265,21 @@ class Bucketer:
                 a.copy_(noise)
                 b.copy_(noise)
 
-    def _out_dim(self, batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
-        dims = {d for _, _, d in batch}
-        return dims.pop() if len(dims) == 1 else 0
-
     # -- the safety check ---------------------------------------------------------------
-    def _padding_is_safe(self, args: tuple[Any, ...], kwargs: dict[str, Any],
-                         batch: list[tuple[str | int, torch.Tensor, int]], size: int) -> bool:
+    def _padding_is_safe(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
+                         size: int, learned: Learned) -> bool:
         """Run the call eagerly as it is and padded, on copies; compare what it computes."""
         real = _size(batch[0][1], batch[0][2])
         plain_args, plain_kwargs = _copies(args, kwargs)
         pad_args, pad_kwargs = _copies(args, kwargs)
-        self._poison_written(plain_args, plain_kwargs, pad_args, pad_kwargs)
+        self._poison_written(learned.written, plain_args, plain_kwargs, pad_args, pad_kwargs)
         pad_batch = [(k, _arg(pad_args, pad_kwargs, k), d) for k, _, d in batch]
-        padded_args, padded_kwargs = _pad(pad_args, pad_kwargs, pad_batch, size, self.pads)
+        padded_args, padded_kwargs = self._pad(pad_args, pad_kwargs, pad_batch, size)
+        eager = self.engine.eager
         try:
             with torch.no_grad():
-                expect = self.eager(plain_args, plain_kwargs)
-                got = _slice(self.eager(padded_args, padded_kwargs), size, real,
-                             self._out_dim(batch))
+                expect = eager(plain_args, plain_kwargs)
+                got = _slice(eager(padded_args, padded_kwargs), size, real, _out_dim(batch))
         except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
             problem: str | None = f"the padded call raised {type(exc).__name__}"
         else:
@@ -228,10 +287,28 @@ class Bucketer:
                 _tensors(plain_args, plain_kwargs), _tensors(pad_args, pad_kwargs)
             )
         if problem is None:
-            self.verified.add(size)
+            learned.verified.add(size)
             return True
-        self._turn_off(f"padding changes results ({problem})")
+        self._turn_off(learned, f"padding changes results ({problem})")
         return False
+
+
+def _out_dim(batch: Batch) -> int:
+    dims = {d for _, _, d in batch}
+    return dims.pop() if len(dims) == 1 else 0
+
+
+def _empty_in_layout(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dimensions are laid out in ``t``'s order
+    (a channels-last batch pads to a channels-last batch, and keeps its key)."""
+    strides_now = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides_now[d], d))
+    strides = [0] * t.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
 
 
 def _rows(batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
@@ -263,24 +340,6 @@ def _size(t: torch.Tensor, dim: int) -> int:
 
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int) -> Any:
     return args[key] if isinstance(key, int) else kwargs[key]
-
-
-def _pad(args: tuple[Any, ...], kwargs: dict[str, Any],
-         batch: list[tuple[str | int, torch.Tensor, int]], size: int,
-         pads: Mapping[str | int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    new_args, new_kwargs = list(args), dict(kwargs)
-    for key, t, dim in batch:
-        real = t.shape[dim]
-        shape = list(t.shape)
-        shape[dim] = size
-        padded = t.new_empty(shape)
-        padded.narrow(dim, 0, real).copy_(t)
-        padded.narrow(dim, real, size - real).fill_(pads.get(key, 0))
-        if isinstance(key, int):
-            new_args[key] = padded
-        else:
-            new_kwargs[key] = padded
-    return tuple(new_args), new_kwargs
 
 
 def _slice(out: Any, size: int, real: int, dim: int) -> Any:
@@ -334,6 +393,6 @@ def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
     if x.dtype != y.dtype:
         return False
     if x.is_floating_point() or x.is_complex():
-        tol = 1e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
+        tol = tolerance(x.dtype)
         return bool(torch.allclose(x, y, rtol=tol, atol=tol, equal_nan=True))
     return bool(torch.equal(x, y))

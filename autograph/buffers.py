@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .keys import Uncapturable
 from .mutation import storage_ptr
+from .vocab import EagerReason, Uncapturable
 
 # non-tensor outputs that a replay may hand back as they were at capture
 _CONSTANT_OUTPUTS = (
@@ -30,14 +30,31 @@ _foreach_copy = getattr(torch, "_foreach_copy_", None)
 
 
 class StaticInputs:
-    """The private buffers that stand for the read-only tensor arguments of one graph."""
+    """The private buffers that stand for the read-only tensor arguments of one graph.
 
-    __slots__ = ("positions", "buffers", "_single")
+    Each buffer has its argument's shape and strides (a sliced or transposed argument
+    gets a buffer of the same geometry), so the function sees the layout eager sees
+    and an output that views an argument maps back onto the caller's tensor.  An
+    argument passed at several positions (``mha(x, x, x)``) gets one buffer, passed at
+    each of them: code that tests ``query is key`` takes the path eager takes.
+    """
+
+    __slots__ = ("positions", "buffers", "_unique", "_sources", "_single")
 
     def __init__(self, leaves: list[Any], positions: list[int]) -> None:
         self.positions = positions
-        self.buffers = [_static_like(leaves[i]) for i in positions]
-        self._single = len(positions) == 1
+        self.buffers: list[torch.Tensor] = []
+        self._unique: list[torch.Tensor] = []  # one per distinct argument object
+        self._sources: list[int] = []  # the position each unique buffer is copied from
+        first: dict[int, torch.Tensor] = {}
+        for i in positions:
+            buf = first.get(id(leaves[i]))
+            if buf is None:
+                buf = first[id(leaves[i])] = _static_like(leaves[i])
+                self._unique.append(buf)
+                self._sources.append(i)
+            self.buffers.append(buf)
+        self._single = len(self._unique) == 1
 
     def substitute(self, leaves: list[Any]) -> list[Any]:
         """The leaves with the static buffers in place of the copied arguments."""
@@ -49,13 +66,13 @@ class StaticInputs:
     def copy_in(self, leaves: list[Any]) -> None:
         """Copy the caller's arguments into the buffers, in one batched copy."""
         if self._single:
-            self.buffers[0].copy_(leaves[self.positions[0]])
-        elif self.positions:
-            src = [leaves[i] for i in self.positions]
+            self._unique[0].copy_(leaves[self._sources[0]])
+        elif self._unique:
+            src = [leaves[i] for i in self._sources]
             if _foreach_copy is not None:
-                _foreach_copy(self.buffers, src)
+                _foreach_copy(self._unique, src)
             else:  # pragma: no cover - torch without _foreach_copy_
-                for dst, s in zip(self.buffers, src):
+                for dst, s in zip(self._unique, src):
                     dst.copy_(s)
 
     def differing(self, leaves: list[Any]) -> list[int]:
@@ -66,7 +83,7 @@ class StaticInputs:
         ]
 
     def nbytes(self) -> int:
-        return sum(b.untyped_storage().nbytes() for b in self.buffers)
+        return sum(b.untyped_storage().nbytes() for b in self._unique)
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -79,9 +96,21 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _static_like(t: torch.Tensor) -> torch.Tensor:
-    # clone keeps the strides of a dense tensor and makes overlapping ones contiguous
+    """A buffer with ``t``'s shape and strides (contiguous where ``t``'s elements
+    overlap, as in an expanded tensor, which cannot be copied into)."""
     with torch.no_grad():
-        return t.detach().clone()
+        if _overlaps(t):
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        buf.copy_(t.detach())
+        return buf
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    check = getattr(torch._C, "_debug_has_internal_overlap", None)
+    if check is not None:
+        return int(check(t)) != 0
+    return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))  # pragma: no cover
 
 
 def output_builder(
@@ -139,8 +168,9 @@ def _leaf_maker(
             # an object pytree does not open may hold tensors of the pool, which the
             # next replay would overwrite: such a call cannot be graphed
             raise Uncapturable(
+                EagerReason.OUTPUT,
                 f"output of type {type(value).__qualname__} is not a tensor, a constant or "
-                "a pytree container (register it with torch.utils._pytree)"
+                "a pytree container (register it with torch.utils._pytree)",
             )
         return lambda _leaves: value
     ptr = storage_ptr(value)

@@ -66,6 +66,9 @@ class Watch:
         self._ptrs: list[int] = []
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._ids: list[int] = []
+        self._hidden: list[tuple[Any, int, int | None]] = []
+        self._modules: list[Any] = []  # weak references to the watched modules
+        self._training: tuple[bool, ...] | None = None
         self.__weakref__: Any
 
     # -- building -----------------------------------------------------------------
@@ -93,6 +96,9 @@ class Watch:
             list(modules.values()), roots if not self._hooks_of_roots else []
         )
         self._register(list(modules))
+        self._modules = [weakref.ref(m) for m in modules.values()]
+        self._training = None
+        self._hidden = []
         self.dirty = False
         self.stale = False
 
@@ -113,7 +119,28 @@ class Watch:
         for get, value in self._refs:
             if not _same(get(), value):
                 return False
+        for ref, ptr, version in self._hidden:
+            t = ref()
+            if t is None or t.data_ptr() != ptr or (version is not None and t._version != version):
+                return False
         return True
+
+    def guard_hidden(self, tensors: list[torch.Tensor]) -> None:
+        """Also guard tensors a graph reads that are no argument, parameter, buffer or
+        named global (a cached weight, a tensor held by a plain object): the graphs go
+        when one is freed or moves; a host tensor (read at capture, baked into the
+        graph) also when it is written in place."""
+        for t in tensors:
+            try:
+                ref = weakref.ref(t)
+            except TypeError:  # pragma: no cover - tensors support weak references
+                continue
+            version = t._version if t.device.type == "cpu" else None
+            self._hidden.append((ref, t.data_ptr(), version))
+
+    def roots(self) -> list[nn.Module]:
+        """The callable's own modules (the wrapped module, or the method's instance)."""
+        return list(self._roots())
 
     def modules(self) -> list[nn.Module]:
         """The roots of the watched module trees: the callable's own modules and those
@@ -126,6 +153,7 @@ class Watch:
         return map(_getitem, self._holders, self._names)
 
     def storage_ptrs(self) -> set[int]:
+        """Storage addresses of the watched parameters, buffers and named tensors."""
         out = {t.untyped_storage().data_ptr() for t in self.tensors()}
         out.update(
             v.untyped_storage().data_ptr() for _, v in self._refs if isinstance(v, torch.Tensor)
@@ -153,7 +181,19 @@ class Watch:
     def close(self) -> None:
         self._unregister()
 
+    def training(self) -> tuple[bool, ...]:
+        """The training flag of every watched module (part of the key: ``train()`` and
+        ``eval()`` select other graphs instead of dropping them)."""
+        flags = self._training
+        if flags is None:
+            modules = [ref() for ref in self._modules]
+            flags = self._training = tuple(m.training for m in modules if m is not None)
+        return flags
+
     def _on_assign(self, module: nn.Module, name: str) -> None:
+        if name == "training":
+            self._training = None  # read again at the next call: it is in the key
+            return
         if self in getattr(_local, "running", ()):
             self.assigned = f"{type(module).__name__}.{name}"
         else:
@@ -302,7 +342,8 @@ def _install() -> None:
         from torch.nn.modules import module as mm
 
         def registered(module: nn.Module, name: str, value: Any) -> None:
-            if id(module) in _watched:
+            # ``self.n += 1`` on a buffer registers the very tensor again: no change
+            if id(module) in _watched and _changes(module, name, value):
                 _notify(module, name)
 
         for hook in ("parameter", "buffer", "module"):

@@ -1,64 +1,131 @@
 """The key of a call: everything a captured graph bakes in about its arguments.
 
-Two calls with equal keys may share a graph.  The key holds the pytree structure of the
-arguments, each tensor's shape, strides, dtype, device and ``requires_grad``, and every
-non-tensor leaf by type and value; the engine adds the global modes (grad, inference,
-autocast, float32 matmul precision) and ``module.training``.  Anything that cannot be
-keyed safely raises :class:`Uncapturable` with the reason the call must run eagerly.
+Two calls with equal :class:`GraphKey` may share a graph.  The key holds the pytree
+structure of the arguments; per leaf a :class:`TensorKey` (shape, strides, dtype,
+device, ``requires_grad``) or a :class:`ValueKey` (type and value); the aliasing
+pattern of the tensor arguments (which are the same object, which share storage);
+the global modes (``modes.Modes``); ``module.training``; and, for arguments written in
+place, their addresses.  :func:`key_call` is the one function that computes it; a call
+of plain positional tensors and scalars skips pytree but takes the same per-leaf path.
+Anything that cannot be keyed safely raises :class:`Uncapturable` with its reason.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+import hashlib
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
+
+from .vocab import EagerReason, Uncapturable
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _BY_VALUE = (
-    type(None),
-    bool,
-    int,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    type(Ellipsis),
+    type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout,
+    torch.memory_format, type(Ellipsis),
 )
+_new = tuple.__new__
 
 
-class Uncapturable(Exception):
-    """A call that must run eagerly; ``str(exc)`` is the reason counted in stats."""
+class TensorKey(NamedTuple):
+    """What a graph bakes in about one tensor argument."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tensor": {"shape": list(self.shape), "stride": list(self.stride),
+                           "dtype": str(self.dtype), "device": str(self.device),
+                           "requires_grad": self.requires_grad}}
+
+
+class ValueKey(NamedTuple):
+    """A non-tensor argument, by type and value (floats by their hex spelling)."""
+
+    kind: type
+    value: Any
+
+    def to_json(self) -> dict[str, Any] | None:
+        if self.kind in (float, bool, int, str, type(None)):
+            return {self.kind.__name__: self.value}
+        if self.kind in (torch.dtype, torch.device):
+            return {self.kind.__name__: str(self.value)}
+        return None
+
+
+LeafKey = Any  # a TensorKey or a ValueKey
+
+
+class GraphKey(NamedTuple):
+    """Everything one graph bakes in.  ``written`` holds the addresses of the
+    arguments captured in place (empty until the call is known to write any)."""
+
+    structure: Any
+    leaves: tuple[LeafKey, ...]
+    aliases: tuple[Any, ...]
+    modes: tuple[Any, ...]
+    training: bool | None
+    written: tuple[int, ...] = ()
+
+    def base(self) -> GraphKey:
+        """The key without the addresses of arguments written in place."""
+        return self._replace(written=()) if self.written else self
+
+    def digest(self) -> int:
+        """A digest equal on every rank for equal calls: device indexes and addresses
+        left out (each rank has its own GPU and allocator)."""
+        portable = (self.structure, self.leaves, self.aliases, self.modes, self.training)
+        text = repr(_portable(portable)).encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The key as JSON for plans, or None when it cannot be written (containers
+        other than plain positional and keyword arguments, aliased arguments, enums)."""
+        nargs, names = _plain_structure(self.structure)
+        if nargs is None or any(self.aliases):
+            return None
+        leaves = [leaf.to_json() for leaf in self.leaves]
+        if any(leaf is None for leaf in leaves):
+            return None
+        return {"nargs": nargs, "kwargs": list(names), "leaves": leaves,
+                "modes": [_json_value(m) for m in self.modes], "training": self.training}
+
+    def describe(self) -> str:
+        """The key in a few words, for logs: tensors as dtype[shape], other arguments
+        by value, e.g. ``(f16[8, 1], i64[1], 3)``."""
+        items = []
+        for leaf in self.leaves:
+            if type(leaf) is TensorKey:
+                dtype = _SHORT.get(leaf.dtype, str(leaf.dtype).replace("torch.", ""))
+                items.append(f"{dtype}{list(leaf.shape)}")
+            elif leaf.kind is float:
+                items.append(repr(float.fromhex(leaf.value)))
+            else:
+                items.append(repr(leaf.value))
+        return "(" + ", ".join(items) + ")"
 
 
 class Flat:
-    """The flattened arguments of one call.
+    """The flattened arguments of one call: ``leaves`` in order, and how to put a
+    (possibly substituted) leaf list back into ``(args, kwargs)``."""
 
-    ``leaves`` are the pytree leaves in order and ``structure`` a hashable description
-    of the containers around them; ``rebuild(leaves)`` turns a (possibly substituted)
-    leaf list back into ``(args, kwargs)``.
-    """
+    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos")
 
-    __slots__ = ("leaves", "structure", "nargs", "kw_names", "spec")
-
-    def __init__(self, leaves: list[Any] | tuple[Any, ...], structure: Any, nargs: int,
-                 kw_names: tuple[str, ...], spec: Any) -> None:
+    def __init__(self, leaves: list[Any] | tuple[Any, ...], nargs: int,
+                 kw_names: tuple[str, ...], spec: Any, tensor_pos: tuple[int, ...]) -> None:
         self.leaves = leaves
-        self.structure = structure
         self.nargs = nargs
         self.kw_names = kw_names
-        self.spec = spec  # a torch TreeSpec, or None for the flat fast path
-
-    @property
-    def tensor_pos(self) -> tuple[int, ...]:
-        """Indices of the tensor leaves."""
-        return tuple(i for i, x in enumerate(self.leaves) if isinstance(x, _Tensor))
+        self.spec = spec  # a torch TreeSpec, or None when no container was opened
+        self.tensor_pos = tensor_pos
 
     def rebuild(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.spec is None:
@@ -66,21 +133,106 @@ class Flat:
             return tuple(leaves[:n]), dict(zip(self.kw_names, leaves[n:]))
         return pytree.tree_unflatten(leaves, self.spec)  # type: ignore[no-any-return]
 
+    def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self.rebuild(list(self.leaves))
+
 
 _FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *_BY_VALUE}).__contains__
 
 
-def flatten(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Flat:
-    """Flatten a call's arguments; tensors and scalars not nested in containers take a
-    fast path that skips pytree."""
-    if not kwargs:
-        if all(map(_FLAT, map(type, args))):
-            return Flat(args, len(args), len(args), (), None)
+def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training: Any
+             ) -> tuple[GraphKey, Flat, torch.device]:
+    """Key a call: ``(key, flat arguments, the tensors' one device)``.
+
+    ``modes(device)`` returns the global modes for the tensors' device.  Raises
+    :class:`Uncapturable` for calls that cannot be graphed.
+    """
+    if not kwargs and all(map(_FLAT, map(type, args))):
+        leaves: Any = args
+        structure: Any = len(args)
+        names: tuple[str, ...] = ()
+        spec = None
     elif all(map(_FLAT, map(type, args))) and all(map(_FLAT, map(type, kwargs.values()))):
         names = tuple(kwargs)
-        return Flat((*args, *kwargs.values()), (len(args), names), len(args), names, None)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    return Flat(leaves, _spec_key(spec), len(args), (), spec)
+        leaves, structure, spec = (*args, *kwargs.values()), (len(args), names), None
+    else:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        structure, names = _spec_key(spec), ()
+    parts, tensor_pos, device = _leaf_keys(leaves)
+    if device is None:
+        raise Uncapturable(EagerReason.NO_TENSORS)
+    aliases = _aliases(leaves, tensor_pos) if len(tensor_pos) > 1 else ()
+    key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
+    return key, Flat(leaves, len(args), names, spec, tensor_pos), device
+
+
+def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any]:
+    parts: list[Any] = []
+    tensor_pos = []
+    device = None
+    for i, x in enumerate(leaves):
+        tx = type(x)
+        if tx is _Tensor or tx is _Parameter:
+            if x.layout is not _strided:
+                raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
+            try:
+                part = _new(TensorKey, (x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+            except (RuntimeError, NotImplementedError):  # nested tensors have no strides
+                raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x)) from None
+            if device is None:
+                device = part[3]
+            elif part[3] != device:
+                raise Uncapturable(EagerReason.SEVERAL_DEVICES)
+            parts.append(part)
+            tensor_pos.append(i)
+        else:
+            parts.append(leaf_key(x))
+    return tuple(parts), tuple(tensor_pos), device
+
+
+def _aliases(leaves: Any, tensor_pos: tuple[int, ...]) -> tuple[Any, ...]:
+    """Per tensor leaf, which earlier tensor leaf it *is* or shares storage with:
+    ``()`` when none do (the common case), else one entry per tensor leaf, None or
+    ``(j, same_object)``.  Graphs see aliasing (``mha(x, x, x)`` takes another path)
+    and static buffers keep it, so it is part of the key."""
+    seen: dict[int, int] = {}
+    out: list[Any] = []
+    shared = False
+    for i in tensor_pos:
+        x = leaves[i]
+        if not x.numel():
+            out.append(None)
+            continue
+        base = x.data_ptr() - x.storage_offset() * x.element_size()
+        j = seen.get(base)
+        if j is None:
+            seen[base] = i
+            out.append(None)
+        else:
+            shared = True
+            out.append((j, x is leaves[j]))
+    return tuple(out) if shared else ()
+
+
+def leaf_key(x: Any) -> ValueKey:
+    """The key of one non-tensor leaf; raises :class:`Uncapturable` for what cannot be
+    keyed."""
+    if type(x) is float:
+        return _new(ValueKey, (float, x.hex()))  # tells -0.0 from 0.0, keys NaN stably
+    if isinstance(x, _BY_VALUE) or isinstance(x, enum.Enum):
+        return _new(ValueKey, (type(x), x))
+    if isinstance(x, _Tensor):
+        raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
+    raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {type(x).__qualname__} "
+                       "(only tensors, numbers, strings, None, dtypes and devices are keyed)")
+
+
+def _tensor_kind(x: torch.Tensor) -> str:
+    if type(x) not in _PLAIN_TENSORS:
+        return f"tensor subclass {type(x).__name__} argument"
+    if x.is_nested:
+        return "nested tensor argument"
+    return f"{x.layout} tensor argument"
 
 
 def _spec_key(spec: Any) -> Any:
@@ -101,77 +253,34 @@ def _hashable(context: Any) -> Any:
     return context
 
 
-def leaf_key(x: Any) -> Any:
-    """The key of one non-tensor leaf; raises :class:`Uncapturable` for what cannot be
-    keyed."""
-    if type(x) is float:
-        return (float, x.hex())  # tells -0.0 from 0.0 and keys NaN stably
-    if isinstance(x, _BY_VALUE) or isinstance(x, enum.Enum):
-        return (type(x), x)
-    if isinstance(x, _Tensor):
-        raise Uncapturable(_tensor_reason(x))
-    raise Uncapturable(
-        f"argument of type {type(x).__qualname__} cannot be keyed "
-        "(only tensors, numbers, strings, None, dtypes and devices are)"
-    )
+def _plain_structure(structure: Any) -> tuple[int | None, tuple[str, ...]]:
+    if isinstance(structure, int):
+        return structure, ()
+    if (isinstance(structure, tuple) and len(structure) == 2
+            and isinstance(structure[0], int) and isinstance(structure[1], tuple)):
+        return structure[0], structure[1]
+    return None, ()
 
 
-def _tensor_reason(x: torch.Tensor) -> str:
-    if type(x) not in _PLAIN_TENSORS:
-        return f"tensor subclass {type(x).__name__} argument"
-    if x.is_nested:
-        return "nested tensor argument"
-    return f"{x.layout} tensor argument"
+def _portable(part: Any) -> Any:
+    if isinstance(part, torch.device):
+        return part.type
+    if isinstance(part, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(part)
+    if isinstance(part, type):
+        return part.__qualname__
+    if isinstance(part, tuple):
+        return tuple(_portable(p) for p in part)
+    return part
 
 
-def key_call(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Flat, tuple[Any, ...], torch.device | None]:
-    """Flatten a call and key its leaves: ``(flat, leaf keys, the tensors' one device)``.
-
-    A tensor is keyed by shape, strides, dtype, device and ``requires_grad``.
-    """
-    if not kwargs and all(map(_FLAT, map(type, args))):
-        flat = Flat(args, len(args), len(args), (), None)
-    else:
-        flat = flatten(args, kwargs)
-    parts = []
-    device = None
-    for x in flat.leaves:
-        tx = type(x)
-        if tx is _Tensor or tx is _Parameter:
-            if x.layout is not _strided:
-                raise Uncapturable(_tensor_reason(x))
-            try:
-                part = (x.shape, x.stride(), x.dtype, x.device, x.requires_grad)
-            except (RuntimeError, NotImplementedError):  # nested tensors have no strides
-                raise Uncapturable(_tensor_reason(x)) from None
-            if device is None:
-                device = part[3]
-            elif part[3] != device:
-                raise Uncapturable("tensor arguments on several devices")
-            parts.append(part)
-        else:
-            parts.append(leaf_key(x))
-    return flat, tuple(parts), device
+def _json_value(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, tuple):
+        return [_json_value(v) for v in value]
+    return str(value)
 
 
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
           torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "bool"}
-
-
-def describe(key: Any) -> str:
-    """A graph key in a few words, for logs: each tensor argument as dtype[shape] and
-    other arguments by value, e.g. ``(f16[8, 1], i64[1], 3)``."""
-    if len(key) == 2:
-        key = key[0]  # drop the addresses of arguments written in place
-    items = []
-    for part in key[1]:
-        if len(part) == 5 and isinstance(part[0], torch.Size):
-            dtype = _SHORT.get(part[2], str(part[2]).replace("torch.", ""))
-            items.append(f"{dtype}{list(part[0])}")
-        elif part[0] is float:
-            items.append(repr(float.fromhex(part[1])))
-        else:
-            items.append(repr(part[1]))
-    return "(" + ", ".join(items) + ")"

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -47,10 +48,14 @@ def written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> li
 
 
 class _Recorder(TorchDispatchMode):
-    """Records which of the watched storages an operator writes.
+    """Records what a call does to tensors it did not create.
 
     ``watched`` maps a storage address to the argument positions that live in it;
-    after the run, ``written`` holds the positions whose storage was written.
+    after the run, ``written`` holds the positions whose storage was written.  With
+    ``known`` (storage addresses of the arguments, parameters and buffers), tensors
+    read that are none of those and were not made during the call are kept in
+    ``hidden`` (a graph would read them at their capture address for ever), and
+    ``seeded`` says whether a random operator ran.
     """
 
     @classmethod
@@ -60,10 +65,14 @@ class _Recorder(TorchDispatchMode):
         # these frames, so this class is left unwrapped; see WriteRecorder().
         return False
 
-    def __init__(self, watched: dict[int, list[int]]) -> None:
+    def __init__(self, watched: dict[int, list[int]], known: set[int] | None = None) -> None:
         super().__init__()
         self.watched = watched
         self.written: set[int] = set()
+        self.known = known
+        self.made: set[int] = set()
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.seeded = False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -72,7 +81,24 @@ class _Recorder(TorchDispatchMode):
         if self.watched:
             for value in written_args(func, args, kwargs):
                 self._note(value)
-        return func(*args, **kwargs)
+        if self.known is not None:
+            self._reads(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if self.known is not None:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.made.add(_storage_key(t))
+        return out
+
+    def _reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if _SEEDED is not None and _SEEDED in func.tags:
+            self.seeded = True
+        known, made = self.known, self.made
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not _is_fake(t):
+                k = _storage_key(t)
+                if k and k not in made and k not in known:  # type: ignore[operator]
+                    self.hidden.setdefault(k, t)
 
     def _note(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -82,6 +108,20 @@ class _Recorder(TorchDispatchMode):
         elif isinstance(value, (list, tuple)):
             for v in value:
                 self._note(v)
+
+
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return storage_ptr(t)
+    except (RuntimeError, NotImplementedError):  # tensors without storage
+        return 0
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    return t.device.type == "meta"
 
 
 def watch_map(leaves: list[Any], positions: tuple[int, ...]) -> dict[int, list[int]]:
@@ -104,9 +144,11 @@ class _DynamoSafeRecorder(_Recorder):
     __torch_dispatch__ = _Recorder.__torch_dispatch__
 
 
-def WriteRecorder(watched: dict[int, list[int]]) -> _Recorder:  # noqa: N802 - a class to callers
-    """A mode recording the watched storages written while it is active.  Dynamo-safe
-    once Dynamo is imported (torch.compile may then run inside the recorded call)."""
+def WriteRecorder(watched: dict[int, list[int]],  # noqa: N802 - a class to callers
+                  known: set[int] | None = None) -> _Recorder:
+    """A mode recording the watched storages written while it is active (and, given
+    ``known``, hidden reads and random operators).  Dynamo-safe once Dynamo is imported
+    (torch.compile may then run inside the recorded call)."""
     if "torch._dynamo" in sys.modules:
-        return _DynamoSafeRecorder(watched)
-    return _Recorder(watched)
+        return _DynamoSafeRecorder(watched, known)
+    return _Recorder(watched, known)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 FORMAT = "autograph-plan"
-VERSION = 1
+VERSION = 2
 
 
 class PlanError(ValueError):
@@ -153,14 +153,11 @@ def describe(engines: Iterable[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for engine in engines:
         keys, inplace = [], []
-        for key, entry in list(engine.entries.items()):
-            if entry.graph is None:
-                continue
-            as_json = key_to_json(key)
+        for key, positions in engine.cache.graph_keys():
+            as_json = key.to_json()
             if as_json is not None:
                 keys.append(as_json)
-                base = key[0] if len(key) == 2 else key
-                inplace.append(list(engine.inplace.get(base, ())))
+                inplace.append(list(positions))
         out[engine.stats.name] = {
             "model": model_fingerprint(engine.watch.modules()),
             "keys": keys,
@@ -168,48 +165,3 @@ def describe(engines: Iterable[Any]) -> dict[str, Any]:
             "bucket_hits": {str(size): b["hits"] for size, b in engine.stats.buckets.items()},
         }
     return out
-
-
-# -- keys as JSON ---------------------------------------------------------------------
-def key_to_json(key: Any) -> dict[str, Any] | None:
-    """A graph key as JSON, or None for keys that cannot be written (pytree structures
-    other than plain positional and keyword arguments, enums)."""
-    if len(key) == 2:
-        key = key[0]  # in-place arguments are keyed by address too: drop the addresses
-    structure, parts, modes, training = key
-    if isinstance(structure, int):
-        nargs, names = structure, ()
-    elif (isinstance(structure, tuple) and len(structure) == 2
-          and isinstance(structure[0], int) and isinstance(structure[1], tuple)):
-        nargs, names = structure
-    else:
-        return None
-    leaves = [_part_to_json(p) for p in parts]
-    if any(leaf is None for leaf in leaves):
-        return None
-    grad, inference, autocast, precision = modes
-    return {
-        "nargs": nargs,
-        "kwargs": list(names),
-        "leaves": leaves,
-        "grad": grad,
-        "inference": inference,
-        "autocast": str(autocast) if autocast else None,
-        "matmul_precision": precision,
-        "training": training,
-    }
-
-
-def _part_to_json(part: Any) -> dict[str, Any] | None:
-    if len(part) == 5 and isinstance(part[0], torch.Size):
-        shape, stride, dtype, device, requires_grad = part
-        return {"tensor": {"shape": list(shape), "stride": list(stride), "dtype": str(dtype),
-                           "device": str(device), "requires_grad": requires_grad}}
-    kind, value = part
-    if kind is float:
-        return {"float": value}  # the hex spelling the key holds
-    if kind in (bool, int, str, type(None)):
-        return {kind.__name__: value}
-    if kind in (torch.dtype, torch.device):
-        return {kind.__name__: str(value)}
-    return None

@@ -16,37 +16,15 @@ ranks do), and the kill switch must be set alike on all ranks.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Any
 
 import torch
 
-logger = logging.getLogger("autograph")
+from .vocab import Action, logger
 
-EAGER, WARM, CAPTURE, REPLAY = 0, 1, 2, 3  # ordered: the agreed action is the minimum
-NAMES = {EAGER: "eager", WARM: "warm up", CAPTURE: "capture", REPLAY: "replay"}
-DISAGREE = "ranks disagree on this call's key: every rank runs it eagerly"
-BEHIND = "another rank runs this call eagerly"
-
-
-def digest(key: Any) -> int:
-    """A digest of a graph key that is equal on every rank for equal calls: device
-    indexes (each rank has its own GPU) and argument addresses left out."""
-    text = repr(_portable(key)).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 2
-
-
-def _portable(part: Any) -> Any:
-    if isinstance(part, torch.device):
-        return part.type
-    if isinstance(part, (torch.dtype, torch.layout, torch.memory_format)):
-        return str(part)
-    if isinstance(part, type):
-        return part.__qualname__
-    if isinstance(part, tuple):
-        return tuple(_portable(p) for p in part)
-    return part
+NAMES = {Action.EAGER: "eager", Action.WARM: "warm up", Action.CAPTURE: "capture",
+         Action.REPLAY: "replay"}
 
 
 class Ranks:
@@ -60,7 +38,7 @@ class Ranks:
         self.step = 0
         self.alone = dist.get_world_size(group) == 1  # nobody to agree with: no collective
         self.keys_differ = False  # at the last agreement
-        self._warned: set[str] = set()
+        self._warned: set[tuple[Action, Action]] = set()
 
     def rank(self) -> int:
         return int(self.dist.get_rank(self.group))
@@ -74,20 +52,20 @@ class Ranks:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return [int(v) for v in t.tolist()]
 
-    def agree(self, action: int, key_digest: int, name: str) -> int:
+    def agree(self, action: Action, key_digest: int, name: str) -> Action:
         """The action every rank takes for this call (one all-reduce)."""
         self.step += 1
         if self.alone:
             return action
-        neg_action, low, high = self._reduce_max([-action, -key_digest, key_digest])
+        neg_action, low, high = self._reduce_max([-int(action), -key_digest, key_digest])
         self.keys_differ = -low != high
-        agreed = EAGER if self.keys_differ else -neg_action
+        agreed = Action.EAGER if self.keys_differ else Action(-neg_action)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: rank %d step %d: graph %016x, proposed %s, agreed %s", name,
                          self.rank(), self.step, key_digest,
                          NAMES[action], NAMES[agreed])
         if agreed != action and (action, agreed) not in self._warned:
-            self._warned.add((action, agreed))  # type: ignore[arg-type]
+            self._warned.add((action, agreed))
             logger.warning("%s: rank %d step %d: would %s graph %016x, but the ranks agree "
                            "on %s%s", name, self.rank(), self.step,
                            NAMES[action], key_digest, NAMES[agreed],

@@ -15,6 +15,7 @@ original is put back.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import threading
@@ -25,17 +26,24 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from .engine import Engine
+from .engines import Handle, make_module_engine
 from .options import Options
+from .stats import Stats, observing
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_local = threading.local()
+# The regions open in the running code, innermost last.  A context variable, so a
+# region follows the code that entered it (asyncio tasks, threads started with a copy
+# of the context); a region closed elsewhere (a generator resumed on another thread)
+# is removed from whichever stack holds it.
+_regions: contextvars.ContextVar[tuple[Region, ...]] = contextvars.ContextVar(
+    "autograph_regions", default=())
+_local = threading.local()  # module-call depth of this thread (calls do not interleave)
 _lock = threading.Lock()
-_open = 0  # regions open in all threads: the patch is installed while > 0
+_open = 0  # regions open anywhere: the patch is installed while > 0
 _original_call: Callable[..., Any] | None = None
-# id(module) -> (weak reference, the module's region engine)
-_engines: dict[int, tuple[weakref.ref[nn.Module], Engine]] = {}
+# id(module) -> (weak reference, the module's region handle)
+_handles: dict[int, tuple[weakref.ref[nn.Module], Handle]] = {}
 _own_options: dict[type, bool] = {}
 
 
@@ -51,19 +59,19 @@ class Region:
         self.options = options
         self._counts: dict[str, dict[str, Any]] = {}
         self._counts_lock = threading.Lock()
+        self._tokens: list[contextvars.Token[tuple[Region, ...]]] = []
 
     def __enter__(self) -> Region:
-        stack = _stack()
-        stack.append(self)
-        try:
-            _retain()
-        except BaseException:
-            stack.pop()
-            raise
+        _retain()
+        self._tokens.append(_regions.set((*_regions.get(), self)))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _stack().pop()
+        token = self._tokens.pop()
+        try:
+            _regions.reset(token)
+        except ValueError:  # exited in another context than it was entered in
+            _regions.set(tuple(r for r in _regions.get() if r is not self))
         _release()
 
     def __call__(self, fn: F) -> F:
@@ -82,34 +90,43 @@ class Region:
                 for name, c in self._counts.items()
             }
 
-    def _count(self, engine: Engine, before: tuple[int, int, int, int, float]) -> None:
-        """Add what one call did to the engine's counters to this region's counters."""
-        s = engine.stats
-        with self._counts_lock:
-            c = self._counts.get(s.name)
-            if c is None:
-                c = self._counts[s.name] = {
-                    "calls": 0, "replays": 0, "captures": 0, "eager": 0,
-                    "eager_reasons": Counter(), "capture_seconds": 0.0,
-                }
-            c["calls"] += 1
-            c["replays"] += s.replays - before[0]
-            c["captures"] += s.captures - before[1]
-            eager = s.eager - before[2]
-            c["eager"] += eager
-            if eager:
-                c["eager_reasons"][s.last_reason] += eager
-            c["capture_seconds"] += s.capture_seconds - before[4]
-            c["graphs"] = s.graphs
-            c["graph_memory_bytes"] = s.graph_bytes
+    def _counter(self, stats: Stats) -> dict[str, Any]:
+        c = self._counts.get(stats.name)
+        if c is None:
+            c = self._counts[stats.name] = {
+                "calls": 0, "replays": 0, "captures": 0, "eager": 0,
+                "eager_reasons": Counter(), "capture_seconds": 0.0,
+            }
+        return c
 
+    def _call(self, handle: Handle, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One module call inside this region, counted here from what it did."""
+        own = handle.engine.stats
+        capture_seconds = own.capture_seconds
 
-def _stack() -> list[Region]:
-    stack = getattr(_local, "regions", None)
-    if stack is None:
-        stack = _local.regions = []
-        _local.depth = 0
-    return stack
+        def observe(stats: Stats, what: str) -> None:
+            if stats is not own:  # a graphed callable called inside the module
+                return
+            with self._counts_lock:
+                c = self._counter(stats)
+                if what == "replay":
+                    c["replays"] += 1
+                elif what == "capture":
+                    c["captures"] += 1
+                    c["capture_seconds"] += stats.capture_seconds - capture_seconds
+                else:
+                    c["eager"] += 1
+                    c["eager_reasons"][what] += 1
+
+        try:
+            with observing(observe):
+                return handle.call(args, kwargs)
+        finally:
+            with self._counts_lock:
+                c = self._counter(own)
+                c["calls"] += 1
+                c["graphs"] = own.graphs
+                c["graph_memory_bytes"] = own.graph_bytes
 
 
 def _retain() -> None:
@@ -133,14 +150,18 @@ def _release() -> None:
             _original_call = None
 
 
+def _depth() -> int:
+    return getattr(_local, "depth", 0)  # type: ignore[no-any-return]
+
+
 def _call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module.__call__`` while a region is open somewhere."""
     original = _original_call if _original_call is not None else _unpatched
-    regions = getattr(_local, "regions", None)
-    if not regions:  # this thread is in no region
+    regions = _regions.get()
+    if not regions:  # the running code is in no region
         return original(self, *args, **kwargs)
-    top = _local.depth == 0
-    _local.depth += 1
+    top = _depth() == 0
+    _local.depth = _depth() + 1
     try:
         if not top or _has_own_engine(self):
             return original(self, *args, **kwargs)
@@ -158,48 +179,38 @@ def _has_own_engine(module: nn.Module) -> bool:
     cls = type(module)
     own = _own_options.get(cls)
     if own is None:
-        from .wrappers import GraphedFunction
-
         forward = inspect.getattr_static(cls, "forward", None)  # the descriptor itself
-        own = _own_options[cls] = isinstance(forward, GraphedFunction)
+        own = _own_options[cls] = bool(getattr(type(forward), "_autograph_graphed", False))
     return own
 
 
 def _through_engine(region: Region, module: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-    engine = _engine_for(module)
-    engine.set_options(region.options)  # the innermost region's options win
-    s = engine.stats
-    before = (s.replays, s.captures, s.eager, s.calls, s.capture_seconds)
-    front = engine.front
-    try:
-        return engine(args, kwargs) if front is None else front(args, kwargs)
-    finally:
-        region._count(engine, before)
+    handle = _handle_for(module)
+    handle.set_options(region.options)  # the innermost region's options win
+    return region._call(handle, args, kwargs)
 
 
-def _engine_for(module: nn.Module) -> Engine:
-    item = _engines.get(id(module))
+def _handle_for(module: nn.Module) -> Handle:
+    item = _handles.get(id(module))
     if item is not None and item[0]() is module:
         return item[1]
-    from .wrappers import make_module_engine
-
     key = id(module)
 
     def forget(ref: weakref.ref[nn.Module]) -> None:
-        current = _engines.get(key)
+        current = _handles.get(key)
         if current is not None and current[0] is ref:
-            del _engines[key]
-            current[1].watch.close()
+            del _handles[key]
+            current[1].engine.watch.close()
 
     ref = weakref.ref(module, forget)
 
     def call(*args: Any, **kwargs: Any) -> Any:  # runs inside _call: nested calls pass
         return (_original_call or _unpatched)(ref(), *args, **kwargs)  # type: ignore[arg-type]
 
-    engine = make_module_engine(module, Options(), call, weak=True)
-    _engines[key] = (ref, engine)
-    return engine
+    handle = make_module_engine(module, Options(), call, weak=True)
+    _handles[key] = (ref, handle)
+    return handle
 
 
 def nested(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -207,9 +218,9 @@ def nested(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``autograph.graphed(module)``, which graphs its module itself)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not getattr(_local, "regions", None):
+        if not _regions.get():
             return fn(*args, **kwargs)
-        _local.depth += 1
+        _local.depth = _depth() + 1
         try:
             return fn(*args, **kwargs)
         finally:

@@ -12,9 +12,13 @@ import logging
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
+from .vocab import QUIET, EagerReason
+
 logger = logging.getLogger("autograph")
+MAX_DETAILS = 8  # distinct details kept per reason (the newest replace the oldest)
 
 _registry_lock = threading.Lock()
 _registry: weakref.WeakValueDictionary[int, Stats] = weakref.WeakValueDictionary()
@@ -43,6 +47,9 @@ class Stats:
         "evictions",
         "invalidations",
         "last_reason",
+        "eager_details",
+        "verifications",
+        "verify_failures",
         "buckets",
         "bucket_misses",
         "padding",
@@ -57,25 +64,47 @@ class Stats:
         self.captures = 0
         self.eager = 0
         self.eager_reasons: Counter[str] = Counter()
+        self.eager_details: dict[str, dict[str, int]] = {}
+        self.verifications = 0
+        self.verify_failures = 0
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs = 0
         self.evictions = 0
         self.invalidations = 0
-        self.last_reason = ""
+        self.last_reason: EagerReason | None = None
         self.buckets: dict[int, dict[str, int]] = {}
         self.bucket_misses = 0
         self.padding: str | None = None
         self._warned: set[str] = set()
 
-    def count_eager(self, reason: str, *, warn: bool = True) -> None:
-        """Count one eager call; log each new reason once at WARNING."""
+    def count_eager(self, reason: EagerReason, detail: str = "", *, warn: bool = True) -> None:
+        """Count one eager call; log each new reason (and detail) once at WARNING."""
         self.eager += 1
-        self.eager_reasons[reason] += 1
+        self.eager_reasons[reason.value] += 1
         self.last_reason = reason
-        if warn and reason not in self._warned:
-            self._warned.add(reason)
-            logger.warning("%s: running eagerly: %s", self.name, reason)
+        if detail:
+            details = self.eager_details.setdefault(reason.value, {})
+            if detail not in details and len(details) >= MAX_DETAILS:
+                del details[next(iter(details))]
+            details[detail] = details.get(detail, 0) + 1
+        if _observers:
+            _notify(self, reason.value)
+        if warn and reason not in QUIET:
+            text = f"{reason.message}: {detail}" if detail else reason.message
+            if text not in self._warned and len(self._warned) < 256:
+                self._warned.add(text)
+                logger.warning("%s: running eagerly [%s]: %s", self.name, reason.value, text)
+
+    def count_replay(self) -> None:
+        self.replays += 1
+        if _observers:
+            _notify(self, "replay")
+
+    def count_capture(self) -> None:
+        """Tell observers of a capture (``captures`` itself is counted by the engine)."""
+        if _observers:
+            _notify(self, "capture")
 
     def count_bucket(self, size: int, rows: int, eager: bool) -> None:
         """One call served by bucket ``size`` with ``rows`` real rows."""
@@ -95,6 +124,9 @@ class Stats:
             "captures": self.captures,
             "eager": self.eager,
             "eager_reasons": dict(self.eager_reasons),
+            "eager_details": {r: dict(d) for r, d in self.eager_details.items()},
+            "verifications": self.verifications,
+            "verify_failures": self.verify_failures,
             "graphs": self.graphs,
             "graph_memory_bytes": self.graph_bytes,
             "capture_seconds": self.capture_seconds,
@@ -125,3 +157,39 @@ def collect() -> dict[str, dict[str, Any]]:
     with _registry_lock:
         items = sorted(_registry.items())
     return {s.name: s.snapshot() for _, s in items}
+
+
+# -- observers: who wants to hear what one call did (a region counts its own calls) ---
+_observers = 0  # observers set in any thread; the call path checks this int only
+_local = threading.local()
+# what one call did: "replay", "capture", or an eager reason's value
+Observer = Callable[[Stats, str], None]
+
+
+def _notify(stats: Stats, what: str) -> None:
+    observer = getattr(_local, "observer", None)
+    if observer is not None:
+        observer(stats, what)
+
+
+class observing:  # noqa: N801 - used like a function
+    """Within the block, what this thread's calls do ("replay", "capture", or an eager
+    reason's value) is also reported to ``observer``."""
+
+    __slots__ = ("observer", "previous")
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def __enter__(self) -> None:
+        global _observers
+        self.previous = getattr(_local, "observer", None)
+        _local.observer = self.observer
+        with _registry_lock:
+            _observers += 1
+
+    def __exit__(self, *exc: object) -> None:
+        global _observers
+        _local.observer = self.previous
+        with _registry_lock:
+            _observers -= 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .vocab import EagerReason
+
 COLUMNS = ("calls", "replays", "hit rate", "captures", "eager", "graphs", "graph MiB",
            "capture s", "padding")
 
@@ -21,13 +23,22 @@ def format_report(stats: dict[str, dict[str, Any]]) -> str:
                  f"{s['capture_seconds']:.2f}", _waste(s["buckets"])]
         lines.append(f"{name:<{name_width}} " + " ".join(f"{c!s:>9}" for c in cells))
         for reason, count in sorted(s["eager_reasons"].items(), key=lambda kv: -kv[1]):
-            lines.append(f"    eager {count:>7}x  {reason}")
+            details = s.get("eager_details", {}).get(reason, {})
+            text = _message(reason) + (f" ({'; '.join(details)})" if details else "")
+            lines.append(f"    eager {count:>7}x  [{reason}] {text}")
         if s["buckets"]:
             buckets = ", ".join(f"{size}: {b['hits']} hits" for size, b in s["buckets"].items())
             lines.append(f"    buckets   {buckets}; {s['bucket_misses']} larger than the largest")
         if s["padding"]:
             lines.append(f"    {s['padding']}")
     return "\n".join(lines)
+
+
+def _message(reason: str) -> str:
+    try:
+        return EagerReason(reason).message
+    except ValueError:
+        return reason
 
 
 def _percent(part: int, whole: int) -> str:

@@ -19,51 +19,12 @@ import wrapt
 from torch import nn
 
 from . import stats as _stats
-from .buckets import positional_names
-from .engine import Engine
-from .guards import Watch
+from .dispatch import Engine
+from .engines import Handle, live_engines, live_handles, make_engine, make_module_engine
 from .options import Options
 from .region import nested
 
-# every live engine, for autograph.reset()
-_engines: weakref.WeakSet[Engine] = weakref.WeakSet()
-
-
-def _make_engine(fn: Callable[..., Any], options: Options, name: str,
-                 roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
-                 hooks_of_roots: bool, training: Callable[[], bool | None],
-                 method: bool) -> Engine:
-    stats = _stats.register(name)
-    names = positional_names(code, skip_self=method) if code is not None else []
-    engine = Engine(fn, options, stats, Watch(roots, code, hooks_of_roots), training, names)
-    _engines.add(engine)
-    return engine
-
-
-def _no_training() -> None:
-    return None
-
-
-def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., Any],
-                       weak: bool) -> Engine:
-    """The engine that graphs calls of a module instance (its forward and hooks).
-
-    ``weak``: hold the module by a weak reference only (region engines, which must not
-    keep their module alive); a wrapper holds it anyway.
-    """
-    ref: Callable[[], nn.Module | None] = weakref.ref(module) if weak else (lambda: module)
-
-    def roots() -> list[nn.Module]:
-        m = ref()
-        return [m] if m is not None else []
-
-    def training() -> bool | None:
-        m = ref()
-        return m.training if m is not None else None
-
-    forward = getattr(type(module), "forward", None)
-    return _make_engine(fn, options, type(module).__qualname__, roots, forward, True, training,
-                        method=True)
+__all__ = ["GraphedFunction", "GraphedModule", "live_engines", "make_module_engine", "wrap"]
 
 
 class _Dispatch:
@@ -72,33 +33,32 @@ class _Dispatch:
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
         self.fn = fn
         self.options = options
-        self.engine: Engine | None = None
-        self.instances: dict[int, tuple[weakref.ref[Any], Engine]] = {}
+        self.handle: Handle | None = None
+        self.instances: dict[int, tuple[weakref.ref[Any], Handle]] = {}
         self.lock = threading.Lock()
 
     def __call__(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
         if instance is None or isinstance(instance, type):
-            engine = self.engine
-            if engine is None:
-                engine = self._function_engine(wrapped)
+            handle = self.handle
+            if handle is None:
+                handle = self._function_engine(wrapped)
         else:
             item = self.instances.get(id(instance))
             if item is None or item[0]() is not instance:
                 item = self._instance_engine(instance)
-            engine = item[1]
-        front = engine.front
-        return engine(args, kwargs) if front is None else front(args, kwargs)
+            handle = item[1]
+        return handle.call(args, kwargs)
 
-    def _function_engine(self, wrapped: Callable[..., Any]) -> Engine:
+    def _function_engine(self, wrapped: Callable[..., Any]) -> Handle:
         with self.lock:
-            if self.engine is None:
+            if self.handle is None:
                 name = getattr(self.fn, "__qualname__", repr(self.fn))
-                self.engine = _make_engine(wrapped, self.options, name, list, self.fn,
-                                           False, _no_training, method=False)
-            return self.engine
+                self.handle = make_engine(wrapped, self.options, name, list, self.fn,
+                                          False, method=False)
+            return self.handle
 
-    def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Engine]:
+    def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Handle]:
         key = id(instance)
         instances = self.instances
 
@@ -106,7 +66,7 @@ class _Dispatch:
             item = instances.get(key)
             if item is not None and item[0] is _ref:
                 del instances[key]
-                item[1].watch.close()
+                item[1].engine.watch.close()
 
         ref = weakref.ref(instance, forget)
         fn = self.fn
@@ -120,22 +80,21 @@ class _Dispatch:
             obj = ref()
             return [obj] if is_module and obj is not None else []
 
-        def training() -> bool | None:
-            return ref().training if is_module else None  # type: ignore[union-attr]
-
         name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
-        engine = _make_engine(call, self.options, name, roots, fn, False, training, method=True)
+        handle = make_engine(call, self.options, name, roots, fn, False, method=True)
         with self.lock:
-            item = instances[key] = (ref, engine)
+            item = instances[key] = (ref, handle)
         return item
 
     def engines(self) -> list[Engine]:
-        out = [item[1] for item in list(self.instances.values())]
-        return out + ([self.engine] if self.engine is not None else [])
+        out = [item[1].engine for item in list(self.instances.values())]
+        return out + ([self.handle.engine] if self.handle is not None else [])
 
 
 class GraphedFunction(wrapt.FunctionWrapper):  # type: ignore[misc]
     """A function or method whose calls run through autograph."""
+
+    _autograph_graphed = True  # what regions look for on a decorated forward
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
         dispatch = _Dispatch(fn, options)
@@ -167,12 +126,11 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
         super().__init__(module)
         self._self_options = options
         # the module's calls made by this engine are not top-level calls for a region
-        self._self_engine = make_module_engine(module, options, nested(module), weak=False)
+        self._self_handle = make_module_engine(module, options, nested(module), weak=False)
+        self._self_engine = self._self_handle.engine
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self._self_engine
-        front = engine.front
-        return engine(args, kwargs) if front is None else front(args, kwargs)
+        return self._self_handle.call(args, kwargs)
 
     def reset(self) -> None:
         """Drop every graph of this module."""
@@ -223,27 +181,22 @@ def wrap(obj: Any, options: Options) -> Any:
     )
 
 
-def live_engines() -> list[Engine]:
-    """Every live engine (functions, methods, wrappers and region engines)."""
-    return list(_engines)
-
-
 def _engines_of(obj: Any) -> list[Engine]:
     if isinstance(obj, GraphedModule):
         return [obj._self_engine]
     if isinstance(obj, GraphedFunction):
         return obj._self_dispatch.engines()
-    return [e for e in list(_engines) if any(r is obj for r in e.watch._roots())]
+    return [e for e in live_engines() if any(r is obj for r in e.watch.roots())]
 
 
-def engine_of(obj: Any) -> Engine:
-    """The engine that a call of ``obj`` runs through, made now if it does not exist yet
+def handle_of(obj: Any) -> Handle:
+    """The handle that a call of ``obj`` runs through, made now if it does not exist yet
     (a graphed function, a wrapper, or a module whose forward is graphed)."""
     if isinstance(obj, GraphedModule):
-        return obj._self_engine  # type: ignore[no-any-return]
+        return obj._self_handle  # type: ignore[no-any-return]
     if isinstance(obj, GraphedFunction):
         dispatch = obj._self_dispatch
-        return dispatch.engine or dispatch._function_engine(obj.__wrapped__)
+        return dispatch.handle or dispatch._function_engine(obj.__wrapped__)
     forward = inspect.getattr_static(type(obj), "forward", None)
     if isinstance(forward, GraphedFunction):
         dispatch = forward._self_dispatch
@@ -251,9 +204,9 @@ def engine_of(obj: Any) -> Engine:
         if item is None or item[0]() is not obj:
             item = dispatch._instance_engine(obj)
         return item[1]
-    engines = _engines_of(obj)
-    if len(engines) == 1:  # a module a region has graphed
-        return engines[0]
+    handles = [h for h in live_handles() if any(r is obj for r in h.engine.watch.roots())]
+    if len(handles) == 1:  # a module a region has graphed
+        return handles[0]
     raise TypeError(f"autograph: {type(obj).__qualname__} is not graphed")
 
 
@@ -291,7 +244,7 @@ def reset(obj: Any = None) -> None:
     """Drop graphs: of ``obj`` (a graphed function, module, or a module whose forward is
     graphed), or of every graphed callable when ``obj`` is None."""
     if obj is None:
-        for engine in list(_engines):
+        for engine in live_engines():
             engine.reset()
         return
     engines = _engines_of(obj)

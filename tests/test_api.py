@@ -15,7 +15,8 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 def test_public_names():
     assert set(autograph.__all__) == {
-        "__version__", "capture_region", "disabled", "graphed", "register_prometheus",
+        "EagerReason", "__version__", "capture_region", "disabled", "graphed",
+        "register_prometheus",
         "report", "reset", "save_plan", "stats", "warmup",
     }
     for name in autograph.__all__:

@@ -44,7 +44,7 @@ def test_larger_than_the_largest_bucket_is_a_miss():
     calls(f, [2, 9, 12], lambda n: (torch.randn(n, 3),), torch.exp)
     s = autograph.stats(f)
     assert s["bucket_misses"] == 2
-    assert s["eager_reasons"]["batch 9 is larger than the largest bucket"] == 1
+    assert s["eager_reasons"]["bucket_miss"] == 2
 
 
 def test_batch_dims_and_pad_values_by_name_and_untouched_tables():
@@ -123,7 +123,7 @@ def test_graph_memory_budget_evicts_and_refuses_graphs_too_large(standin):
         torch.testing.assert_close(f(big), (big * 2).sum(1))
         torch.testing.assert_close(f(big), (big * 2).sum(1))
     s = autograph.stats(f)
-    assert any("over max_graph_memory" in r for r in s["eager_reasons"])
+    assert "over_memory_budget" in s["eager_reasons"]
     assert s["graph_memory_bytes"] <= 3000
 
 
@@ -194,4 +194,4 @@ def test_switching_to_training_stops_padding_that_would_touch_running_statistics
                 torch.testing.assert_close(m[1].running_var, ref[1].running_var)
     s = autograph.stats(g)
     assert s["calls"] == s["replays"] + s["captures"] + s["eager"]
-    assert s["invalidations"] >= 2
+    assert s["invalidations"] == 0 and s["replays"] > 0  # train/eval keep their graphs

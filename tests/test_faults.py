@@ -42,7 +42,7 @@ def test_a_failed_replay_runs_eagerly_and_drops_the_graph(monkeypatch):
         torch.testing.assert_close(g(x), m(x))
     s = invariant(g)
     assert s["graphs"] == 0 and s["graph_memory_bytes"] == 0
-    assert any(r.startswith("replay failed: RuntimeError") for r in s["eager_reasons"])
+    assert any(d.startswith("RuntimeError") for d in s["eager_details"]["replay_failed"])
 
 
 @pytest.mark.parametrize("stage", ["warmup", "capture", "eager"])
@@ -87,7 +87,8 @@ def test_out_of_memory_during_capture_runs_eagerly(standin):
         for _ in range(2):
             torch.testing.assert_close(g(y), m(y))  # another key still captures
     s = invariant(g)
-    assert any("OutOfMemoryError" in r for r in s["eager_reasons"]) and s["captures"] == 1
+    assert s["captures"] == 1
+    assert any("OutOfMemoryError" in d for d in s["eager_details"]["capture_failed"])
 
 
 def test_ever_new_shapes_stay_within_the_graph_and_memory_budget():
@@ -103,7 +104,7 @@ def test_ever_new_shapes_stay_within_the_graph_and_memory_budget():
             worst_bytes = max(worst_bytes, s["graph_memory_bytes"])
     s = invariant(g)
     assert worst_graphs <= 6 and worst_bytes <= 4000 and s["evictions"] > 0
-    assert len(g._self_engine.entries) <= 8 * 6 + 64 + 1
+    assert len(g._self_engine.cache.entries) <= 8 * 6 + 64 + 1
 
 
 def test_deleted_modules_and_their_graphs_are_released():
@@ -148,8 +149,8 @@ def test_decorated_method_keeps_no_instance_alive():
 
 @pytest.mark.parametrize(
     "value, reason",
-    [(object(), "argument of type object cannot be keyed"),
-     ({1, 2}, "argument of type set cannot be keyed"),
+    [(object(), "argument of type object "),
+     ({1, 2}, "argument of type set "),
      (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor argument")],
     ids=["object", "set", "nested"],
 )
@@ -162,7 +163,8 @@ def test_unkeyable_arguments_run_eagerly_with_a_reason(value, reason):
         for _ in range(3):
             torch.testing.assert_close(f(torch.ones(2), value), torch.full((2,), 2.0))
     s = invariant(f)
-    (counted,) = [n for r, n in s["eager_reasons"].items() if r.startswith(reason)]
+    details = s["eager_details"]["unkeyable_argument"]
+    (counted,) = [n for r, n in details.items() if r.startswith(reason)]
     assert counted == 3, s["eager_reasons"]
 
 

@@ -7,7 +7,9 @@ import torch
 from torch import nn
 
 import autograph
-from autograph.engine import NOT_WORTH, TRIALS
+from autograph.gate import TRIALS
+
+NOT_WORTH = autograph.EagerReason.NOT_WORTH.value
 
 pytestmark = pytest.mark.usefixtures("standin")
 

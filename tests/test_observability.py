@@ -30,7 +30,7 @@ def test_warmup_capture_replay_and_eager_are_named_in_profiler_traces():
 
 def test_no_ranges_without_a_profiler(monkeypatch):
     entered = []
-    monkeypatch.setattr("autograph.engine.record_function",
+    monkeypatch.setattr("autograph.dispatch.record_function",
                         lambda name: entered.append(name) or torch.autograd.profiler
                         .record_function(name))
     g = autograph.graphed(nn.Linear(4, 4))

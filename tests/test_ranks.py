@@ -10,19 +10,21 @@ import pytest
 import torch
 
 import autograph
-from autograph import ranks
+from autograph.keys import GraphKey, TensorKey
 
 HERE = os.path.dirname(__file__)
 ROOT = os.path.dirname(HERE)
 
 
 def test_key_digest_ignores_device_indexes_and_addresses():
-    part = (torch.Size([2, 3]), (3, 1), torch.float16, torch.device("cuda", 0), False)
-    other = (torch.Size([2, 3]), (3, 1), torch.float16, torch.device("cuda", 1), False)
-    key = (2, (part,), (False, True, False, "highest"), None)
-    assert ranks.digest(key) == ranks.digest((2, (other,), key[2], None))
-    assert ranks.digest(key) != ranks.digest((2, (part,), (True, True, False, "highest"), None))
-    assert 0 <= ranks.digest(key) < 2**62
+    part = TensorKey(torch.Size([2, 3]), (3, 1), torch.float16, torch.device("cuda", 0), False)
+    other = part._replace(device=torch.device("cuda", 1))
+    key = GraphKey(2, (part,), (), (False, True, False, "highest"), None)
+    assert key.digest() == key._replace(leaves=(other,)).digest()
+    assert key.digest() == key._replace(written=(1234,)).digest()
+    assert key.digest() != key._replace(modes=(True, True, False, "highest")).digest()
+    assert key.digest() != key._replace(leaves=(part._replace(dtype=torch.float32),)).digest()
+    assert 0 <= key.digest() < 2**62
 
 
 def test_group_must_be_a_process_group():

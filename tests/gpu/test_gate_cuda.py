@@ -7,7 +7,9 @@ from torch import nn
 
 import autograph
 from autograph.cli.models import mlp
-from autograph.engine import NOT_WORTH, TRIALS
+from autograph.gate import TRIALS
+
+NOT_WORTH = autograph.EagerReason.NOT_WORTH.value
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

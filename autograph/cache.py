@@ -1,0 +1,162 @@
+"""The graphs of one callable: one dict of entries keyed by :class:`GraphKey`, bounded
+by ``max_graphs`` and ``max_graph_memory`` (least recently used go first).
+
+An :class:`Entry` is one key: warming up, ready (with the bound replay in ``run``), or
+eager for a reason.  Arguments a key's calls write in place are learned per base key
+(``inplace``) and from then on keyed by address (``GraphKey.written``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from .keys import Flat, GraphKey
+from .options import Options
+from .stats import Stats
+from .vocab import EagerReason, State
+
+# Past this many entries that hold no graph, the oldest are forgotten: callers whose
+# keys never repeat must not grow the dict without bound.
+IDLE_SLACK = 64
+
+
+class Entry:
+    """One key of one callable."""
+
+    __slots__ = (
+        "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
+        "used",
+    )
+
+    def __init__(self) -> None:
+        self.state = State.WARMING
+        self.runs = 0  # warmup runs so far
+        self.reason: EagerReason | None = None
+        self.detail = ""
+        self.graph: Any = None  # a lifecycle.Captured once READY
+        self.nbytes = 0
+        self.run: Callable[[Any], Any] | None = None  # the bound replay, once READY
+        self.eager_s = float("inf")  # fastest timed warmup run (under min_speedup)
+        self.speedup: float | None = None  # eager / replay time, once judged
+        self.used = 0  # the cache's use stamp at this entry's last use (for LRU)
+
+    def give_up(self, reason: EagerReason, detail: str = "") -> None:
+        """This key runs eagerly from now on."""
+        self.state = State.EAGER
+        self.reason = reason
+        self.detail = detail
+
+
+class GraphCache:
+    """Entries of one callable, their least-recently-used order and memory budget."""
+
+    def __init__(self, options: Options, stats: Stats) -> None:
+        self.options = options
+        self.stats = stats
+        self.entries: dict[GraphKey, Entry] = {}
+        self.inplace: dict[GraphKey, tuple[int, ...]] = {}
+        self.uses = 0
+        self.lock = threading.Lock()
+
+    def address(self, key: GraphKey, flat: Flat) -> GraphKey:
+        """``key`` with the addresses of the arguments this key's calls write in place."""
+        positions = self.inplace.get(key)
+        if not positions:
+            return key
+        leaves = flat.leaves
+        return key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+
+    def entry(self, key: GraphKey) -> Entry:
+        """The entry of ``key``, made (and the cache trimmed) if it is new."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            return entry
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                entry = self.entries[key] = Entry()
+                self.uses = entry.used = self.uses + 1
+                self.trim()
+            return entry
+
+    def keep(self, entry: Entry, nbytes: int) -> None:
+        """``entry`` now holds a graph: count it and evict what exceeds the bounds."""
+        with self.lock:
+            entry.state = State.READY
+            entry.nbytes = nbytes
+            self.uses = entry.used = self.uses + 1  # the newest graph: evicted last
+            self.stats.graphs += 1
+            self.stats.graph_bytes += nbytes
+            self.trim()
+
+    def trim(self) -> None:
+        """Evict least recently used entries: ready graphs past ``max_graphs`` or the
+        memory budget, and idle entries past a bound."""
+        limit, budget = self.options.max_graphs, self.options.max_graph_memory
+        by_use = sorted(self.entries.items(), key=lambda item: item[1].used)  # stable
+        ready = [(k, e.nbytes) for k, e in by_use if e.state is State.READY]
+        total = sum(n for _, n in ready)
+        evict: list[GraphKey] = []
+        for k, n in ready[:-1]:  # oldest first; the newest graph is the one just kept
+            if len(ready) - len(evict) <= limit and (budget is None or total <= budget):
+                break
+            evict.append(k)
+            total -= n
+        self.drop(evict)
+        self.stats.evictions += len(evict)
+        excess = len(self.entries) - 8 * limit - IDLE_SLACK
+        if excess > 0:
+            idle = [k for k, e in by_use if e.state is not State.READY]
+            self.drop(idle[:excess])
+
+    def drop(self, keys: list[GraphKey]) -> None:
+        """Forget these entries.  Before ready graphs go, wait for work in flight: a
+        replay on another stream may still read their static buffers."""
+        entries = [self.entries.pop(k) for k in keys if k in self.entries]
+        synced: set[Any] = set()
+        for entry in entries:
+            if entry.state is State.READY:
+                captured = entry.graph
+                if captured.device not in synced:
+                    synced.add(captured.device)
+                    captured.synchronize()
+                self.forget_graph(entry, sync=False)
+
+    def forget_graph(self, entry: Entry, sync: bool = True) -> None:
+        """Free a ready entry's graph, once work in flight that may read its buffers is
+        done (``sync``)."""
+        if entry.graph is None:
+            return
+        if sync:
+            with contextlib.suppress(Exception):  # after a failed replay it may fail too
+                entry.graph.synchronize()
+        self.stats.graphs -= 1
+        self.stats.graph_bytes -= entry.nbytes
+        entry.graph = entry.run = None
+        entry.nbytes = 0
+        if entry.state is State.READY:
+            entry.state = State.WARMING
+
+    def rekey(self, key: GraphKey, entry: Entry, flat: Flat, inplace: set[int]) -> None:
+        """Arguments at ``inplace`` are written by the call: key them by address."""
+        base = key.base()
+        with self.lock:
+            self.inplace[base] = tuple(sorted(set(self.inplace.get(base, ())) | inplace))
+            self.entries.pop(key, None)
+            self.entries[self.address(base, flat)] = entry
+            entry.state = State.WARMING
+
+    def clear(self) -> None:
+        """Drop every graph and forget what was learned about the arguments."""
+        with self.lock:
+            self.drop(list(self.entries))
+            self.inplace.clear()
+
+    def graph_keys(self) -> list[tuple[GraphKey, tuple[int, ...]]]:
+        """The keys that hold a graph, with their in-place positions (for plans)."""
+        return [(k, self.inplace.get(k.base(), ())) for k, e in list(self.entries.items())
+                if e.graph is not None]
+

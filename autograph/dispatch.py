@@ -1,0 +1,369 @@
+"""The engine behind every graphed callable: key the call, find its entry, act.
+
+A call is keyed (``keys.key_call``); its entry (``cache``) says what to do: replay a
+ready graph, warm up a new key, capture it (``lifecycle``), or run eagerly for the
+entry's reason.  With ``group``, the ranks agree on that action first (``ranks``).
+The replay path is short on purpose: kill switch, key, entry, bound replay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import gate, lifecycle
+from . import switch as _switch
+from .cache import Entry, GraphCache
+from .capture import Backend, backend_for
+from .guards import Watch, running
+from .keys import Flat, GraphKey, key_call
+from .modes import grad_enabled, modes
+from .options import Options
+from .ranks import Ranks
+from .stats import Stats
+from .verify import Verifier, every_from_env
+from .vocab import Action, EagerReason, State, Uncapturable, logger
+
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
+                                         lambda: False)
+_NO_RANGE = contextlib.nullcontext()
+record_function = torch.autograd.profiler.record_function
+_is_nested = lifecycle.is_nested
+
+# Warmups and captures are serialized process-wide: capture must not interleave with
+# another capture into the same pool, and it keeps warmup and capture on one stream.
+_capture_lock = threading.RLock()
+
+
+class Engine:
+    """Graphs of one callable (a function, or one module instance's forward).
+
+    ``fn`` is called as ``fn(*args, **kwargs)``.  ``watch`` guards the Python state the
+    graphs bake in; ``training`` returns the module's training flag (or None).
+    """
+
+    def __init__(self, fn: Callable[..., Any], options: Options, stats: Stats, watch: Watch,
+                 training: Callable[[], Any], names: list[str] | None = None) -> None:
+        self.fn = fn
+        self.stats = stats
+        self.watch = watch
+        self.training = training
+        self.names = names or []  # positional parameter names, for per-argument options
+        self.options = options
+        self.cache = GraphCache(options, stats)
+        self.ranks: Ranks | None = None
+        self._device: tuple[Any, Backend | None, Callable[[], bool]] = (None, None, bool)
+        self.labels = {what: f"autograph.{what} {stats.name}"
+                       for what in ("replay", "capture", "warmup", "eager")}
+        self._use_options(options)
+
+    def set_options(self, options: Options) -> None:
+        """Use these options from the next call on (a region passes its own)."""
+        if options is self.options or _same_options(options, self.options):
+            return  # a new region per step passes equal options: keep what was learned
+        self._use_options(options)
+
+    def _use_options(self, options: Options) -> None:
+        self.options = self.cache.options = options
+        self.ranks = Ranks(options.group) if options.group is not None else None
+        every = getattr(options, "verify_every", None)
+        self.verify_every = every if every is not None else every_from_env()
+
+    # -- the call ----------------------------------------------------------------------
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """One call of the graphed callable, counted."""
+        self.stats.calls += 1
+        return self.dispatch(args, kwargs)
+
+    def dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run one call (counted by the caller): replay, warm up, capture or eager."""
+        if (_switch._active or _switch.env_set()) and _switch.is_disabled():
+            self.stats.count_eager(EagerReason.DISABLED, warn=False)
+            return self.fn(*args, **kwargs)
+        try:
+            key, flat, backend, device = self._key(args, kwargs)
+        except Uncapturable as exc:
+            if self.ranks is not None and not _is_nested():
+                self.ranks.agree(Action.EAGER, 0, self.stats.name)
+            self.stats.count_eager(exc.reason, exc.detail)
+            return self.eager(args, kwargs)
+        entry = self.cache.entry(key)
+        run = entry.run
+        if run is not None and self.ranks is None:
+            return self._replay(entry, run, flat)
+        action = (Action.REPLAY if run is not None
+                  else Action.EAGER if entry.state is State.EAGER
+                  else Action.WARM if entry.runs < self.options.warmup else Action.CAPTURE)
+        if self.ranks is not None and not _is_nested():
+            agreed = Action(self.ranks.agree(action, key.digest(), self.stats.name))
+            if agreed is not action:
+                return self._follow(agreed, key, entry, flat, backend, device)
+        return self._act(action, key, entry, flat, backend, device)
+
+    def _act(self, action: Action, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
+             device: torch.device) -> Any:
+        if action is Action.REPLAY:
+            return self._replay(entry, entry.run, flat)  # type: ignore[arg-type]
+        if action is Action.EAGER:
+            self.stats.count_eager(entry.reason or EagerReason.CAPTURE_FAILED, entry.detail)
+            return self.eager(*flat.call())
+        if action is Action.WARM:
+            return self._warm(key, entry, flat, backend, device)
+        return self._capture(key, entry, flat, backend, device)
+
+    def _follow(self, agreed: Action, key: GraphKey, entry: Entry, flat: Flat,
+                backend: Backend, device: torch.device) -> Any:
+        """Do what the ranks agreed on instead of what this rank proposed (a step behind
+        the others, never ahead: the agreed action is the least advanced proposal)."""
+        if agreed is Action.CAPTURE:  # another rank lost its graph: capture again with it
+            with self.cache.lock:
+                if entry.state is State.READY:
+                    self.cache.forget_graph(entry)
+        if agreed in (Action.WARM, Action.CAPTURE):
+            return self._act(agreed, key, entry, flat, backend, device)
+        differ = self.ranks is not None and self.ranks.keys_differ
+        self.stats.count_eager(EagerReason.RANKS_DISAGREE if differ else EagerReason.RANKS_BEHIND)
+        return self.eager(*flat.call())
+
+    def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[GraphKey, Flat, Backend, torch.device]:
+        """Key the call, or raise Uncapturable with the reason it must run eagerly."""
+        if _is_nested():
+            raise Uncapturable(EagerReason.NESTED)
+        self.check_guards()  # first: the key reads the watched modules' training flags
+        key, flat, device = key_call(args, kwargs, modes, self.training)
+        last = self._device
+        if last[0] != device:
+            last = self._device = _find_backend(device)
+        if last[2]():
+            raise Uncapturable(EagerReason.CAPTURING)
+        if self.watch.hook_reason:
+            raise Uncapturable(EagerReason.HOOKS, self.watch.hook_reason)
+        if grad_enabled(key.modes) and self._autograd_records(flat):
+            raise Uncapturable(EagerReason.AUTOGRAD)
+        if self.cache.inplace:
+            key = self.cache.address(key, flat)
+        return key, flat, last[1], device  # type: ignore[return-value]
+
+    def _autograd_records(self, flat: Flat) -> bool:
+        leaves = flat.leaves
+        if any(leaves[i].requires_grad for i in flat.tensor_pos):
+            return True
+        return any(t.requires_grad for t in self.watch.tensors())
+
+    def check_guards(self) -> bool:
+        """Bring the guard up to date: True (and the graphs dropped) if state that the
+        graphs bake in changed since the last check."""
+        watch = self.watch
+        if watch.ok():
+            return False
+        if watch.stale:
+            watch.refresh()
+            return False
+        self.invalidate()
+        return True
+
+    def module_tensors(self) -> list[torch.Tensor]:
+        """The parameters and buffers the callable's graphs read."""
+        if self.watch.stale:
+            self.watch.refresh()
+        return list(self.watch.tensors())
+
+    def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The original call, uncounted (under the watch, in a profiler range)."""
+        with running(self.watch), self._range("eager"):
+            return self.fn(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Drop every graph and forget what was learned about the arguments."""
+        self.cache.clear()
+        self.watch.stale = True
+
+    def invalidate(self) -> None:
+        self.stats.invalidations += 1
+        logger.debug("%s: module state changed, dropping %d graphs", self.stats.name,
+                     self.stats.graphs)
+        self.reset()
+        self.watch.refresh()
+
+    # -- warm up, capture ----------------------------------------------------------------
+    def _warm(self, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
+              device: torch.device) -> Any:
+        options = self.options
+        timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
+        self.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
+        with _capture_lock, self._range("warmup"):
+            warmed = lifecycle.warm(self.fn, flat, backend, device, self.watch,
+                                    learn=entry.runs == 0, timed=timed)
+        if warmed.problem is not None:  # the call ran; graphs would get it wrong
+            entry.give_up(warmed.problem.reason, warmed.problem.detail)
+            return warmed.out
+        entry.runs += 1
+        if timed:
+            entry.eager_s = min(entry.eager_s, warmed.seconds)
+        if warmed.hidden:
+            self.watch.guard_hidden(warmed.hidden)
+        if warmed.written:
+            self.cache.rekey(key, entry, flat, warmed.written)
+        return warmed.out
+
+    def _capture(self, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
+                 device: torch.device) -> Any:
+        """Capture the call, replay it once for its result, and keep the graph."""
+        stats = self.stats
+        with _capture_lock:
+            if entry.run is not None:  # another thread captured it meanwhile
+                return self._replay(entry, entry.run, flat)
+            if entry.state is State.EAGER:  # another thread gave up on it meanwhile
+                return self._act(Action.EAGER, key, entry, flat, backend, device)
+            start = time.perf_counter()
+            before = backend.memory_reserved(device)
+            inplace = self.cache.inplace.get(key.base(), ())
+            try:
+                with self._range("capture"):
+                    captured = lifecycle.capture(self.fn, flat, backend, device, self.watch,
+                                                 inplace)
+            except lifecycle.WritesFound as found:
+                self.cache.rekey(key, entry, flat, found.positions)
+                stats.count_eager(EagerReason.IN_PLACE, warn=False)
+                return self.eager(*flat.call())
+            except Uncapturable as exc:
+                return self._capture_failed(entry, flat, exc)
+            except BaseException as exc:  # the user's own error: it propagates, once
+                stats.count_eager(EagerReason.CAPTURE_FAILED,
+                                  f"the call raised {type(exc).__name__}", warn=False)
+                raise
+            try:
+                result = captured.runner()(flat.leaves)
+            except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
+                entry.graph = captured
+                return self._replay_failed(entry, exc, flat, counted=False)
+            missed = lifecycle.hand_back(captured, list(flat.leaves))
+            if missed:
+                self.cache.rekey(key, entry, flat, set(missed))
+                stats.count_eager(EagerReason.IN_PLACE, warn=False)
+                return result
+            nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
+            return self._keep(key, entry, captured, result, nbytes, time.perf_counter() - start)
+
+    def _keep(self, key: GraphKey, entry: Entry, captured: lifecycle.Captured, result: Any,
+              nbytes: int, seconds: float) -> Any:
+        stats = self.stats
+        budget = self.options.max_graph_memory
+        if budget is not None and nbytes > budget:
+            entry.give_up(EagerReason.MEMORY, f"{nbytes} bytes")
+            stats.count_eager(EagerReason.MEMORY, f"needs {nbytes} bytes, budget {budget}")
+            return result
+        if captured.hidden:
+            self.watch.guard_hidden(captured.hidden)
+        entry.graph = captured
+        run = captured.runner()
+        if self.options.min_speedup is not None:
+            run = gate.trial(self.cache, entry, run, self.options.min_speedup, stats.name)
+        entry.run = run
+        stats.captures += 1
+        stats.capture_seconds += seconds
+        self.cache.keep(entry, nbytes)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: captured %s in %.1f ms, %.2f MiB of graph memory", stats.name,
+                         key.describe(), seconds * 1e3, nbytes / 2**20)
+        stats.count_capture()
+        return result
+
+    def _capture_failed(self, entry: Entry, flat: Flat, exc: Uncapturable) -> Any:
+        """Run the call eagerly; if eager succeeds, the key stays eager for good (if eager
+        raises too, the error is the user's own: it propagates unchanged and the key
+        will be captured again)."""
+        if exc.reason is not EagerReason.CAPTURE_FAILED:
+            entry.give_up(exc.reason, exc.detail)
+        try:
+            out = self.eager(*flat.call())
+        except BaseException:
+            self.stats.count_eager(exc.reason, exc.detail, warn=False)
+            raise
+        entry.give_up(exc.reason, exc.detail)
+        self.stats.count_eager(exc.reason, exc.detail)
+        return out
+
+    # -- replay ------------------------------------------------------------------------
+    def _replay(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
+        """Replay ``entry`` for these arguments; if the replay itself fails, drop the
+        graph and run eagerly."""
+        if self.verify_every is not None:
+            entry.runs += 1
+            if entry.runs % self.verify_every == 0 and not entry.graph.seeded:
+                return self._verified(entry, run, flat)
+        try:
+            if _profiling():
+                with record_function(self.labels["replay"]):
+                    result = run(flat.leaves)
+            else:
+                result = run(flat.leaves)
+        except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
+            return self._replay_failed(entry, exc, flat)
+        self.stats.count_replay()
+        self.cache.uses = entry.used = self.cache.uses + 1  # a stamp: races are harmless
+        return result
+
+    def _verified(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
+        captured = entry.graph
+        written = self.cache.inplace.get(_base_of(self.cache, entry), ())
+        verifier = Verifier(self.eager)  # made per check: the engine holds no cycle
+        result, problem = verifier.check(run, flat, written, captured.state_written)
+        self.stats.verifications += 1
+        if problem is None:
+            self.stats.count_replay()
+            return result
+        self.stats.verify_failures += 1
+        logger.warning("%s: a verified replay differed from eager (%s): this key runs "
+                       "eagerly from now on", self.stats.name, problem)
+        with self.cache.lock:
+            self.cache.forget_graph(entry)
+            entry.give_up(EagerReason.VERIFY_FAILED, problem)
+        self.stats.count_eager(EagerReason.VERIFY_FAILED, problem, warn=False)
+        return result
+
+    def _replay_failed(self, entry: Entry, exc: Exception, flat: Flat,
+                       counted: bool = True) -> Any:
+        detail = lifecycle._first_line(exc)
+        with self.cache.lock:
+            if entry.state is State.READY:
+                self.cache.forget_graph(entry)
+            elif entry.graph is not None and not counted:
+                entry.graph = None
+            entry.give_up(EagerReason.REPLAY_FAILED, detail)
+        self.stats.count_eager(EagerReason.REPLAY_FAILED, detail)
+        return self.eager(*flat.call())
+
+    def _range(self, what: str) -> contextlib.AbstractContextManager[Any]:
+        """A named range in torch.profiler traces (and Nsight, under ``emit_nvtx``)
+        while a profiler runs; nothing otherwise."""
+        return record_function(self.labels[what]) if _profiling() else _NO_RANGE
+
+
+def _find_backend(device: torch.device) -> tuple[Any, Backend, Callable[[], bool]]:
+    """(device, its backend, the backend's is-capturing probe), cached per engine."""
+    backend = backend_for(device)
+    if backend is None:
+        raise Uncapturable(EagerReason.DEVICE, f"inputs on {device.type}")
+    return device, backend, backend.capturing(device)
+
+
+def _base_of(cache: GraphCache, entry: Entry) -> GraphKey:
+    for key, e in cache.entries.items():
+        if e is entry:
+            return key.base()
+    raise KeyError("entry not in cache")
+
+
+def _same_options(a: Options, b: Options) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a tensor as a pad value: compare as different
+        return False

@@ -1,0 +1,89 @@
+"""Making engines, and the handle callers hold: the engine with what a call goes through.
+
+A :class:`Handle` is one graphed callable as wrappers and regions hold it: its
+:class:`~autograph.dispatch.Engine`, and ``call``, the engine itself or a
+:class:`~autograph.buckets.Bucketer` composed in front of it (the outermost counts the
+call).  Every live engine is listed weakly here, for ``reset()``, ``stats()`` and plans.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .buckets import Bucketer, positional_names
+from .dispatch import Engine
+from .guards import Watch
+from .options import Options
+from .stats import register as register_stats
+
+# every live graphed callable, for autograph.reset(), stats() and plans
+_handles: weakref.WeakSet[Handle] = weakref.WeakSet()
+
+
+class Handle:
+    """One graphed callable: its engine, and ``call(args, kwargs)`` to run a call."""
+
+    __slots__ = ("engine", "call", "__weakref__")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.call: Callable[[tuple[Any, ...], dict[str, Any]], Any] = _front(engine)
+
+    def set_options(self, options: Options) -> None:
+        """Use these options from the next call on (a region passes its own)."""
+        engine = self.engine
+        before = engine.options
+        engine.set_options(options)
+        if engine.options is not before:
+            self.call = _front(engine)
+
+
+def _front(engine: Engine) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+    if engine.options.buckets:
+        return Bucketer(engine, engine.options)
+    return engine
+
+
+def make_engine(fn: Callable[..., Any], options: Options, name: str,
+                roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
+                hooks_of_roots: bool, method: bool) -> Handle:
+    """A handle on a new engine for ``fn``, guarding the modules ``roots`` returns and
+    what ``code`` names in its globals and closures."""
+    stats = register_stats(name)
+    names = positional_names(code, skip_self=method) if code is not None else []
+    watch = Watch(roots, code, hooks_of_roots)
+    engine = Engine(fn, options, stats, watch, watch.training, names)
+    handle = Handle(engine)
+    _handles.add(handle)
+    return handle
+
+
+def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., Any],
+                       weak: bool) -> Handle:
+    """The handle that graphs calls of a module instance (its forward and hooks).
+
+    ``weak``: hold the module by a weak reference only (region engines, which must not
+    keep their module alive); a wrapper holds it anyway.
+    """
+    ref: Callable[[], nn.Module | None] = weakref.ref(module) if weak else (lambda: module)
+
+    def roots() -> list[nn.Module]:
+        m = ref()
+        return [m] if m is not None else []
+
+    forward = getattr(type(module), "forward", None)
+    return make_engine(fn, options, type(module).__qualname__, roots, forward, True,
+                       method=True)
+
+
+def live_handles() -> list[Handle]:
+    """Every live graphed callable (functions, methods, wrappers and region modules)."""
+    return list(_handles)
+
+
+def live_engines() -> list[Engine]:
+    return [h.engine for h in live_handles()]

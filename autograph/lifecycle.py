@@ -1,0 +1,270 @@
+"""A key's life before its first replay: warm up, capture, hand back.
+
+:func:`warm` runs the call eagerly on the capture stream and learns what a graph would
+get wrong: arguments written in place, module attributes assigned, host random numbers
+drawn (their first values would be frozen into the graph), autograd recording through
+tensors that are not arguments, and tensors read from outside the arguments,
+parameters and buffers (guarded from then on).  :func:`capture` records the call into
+the device's shared pool on static buffers and returns a :class:`Captured` graph,
+whose :meth:`Captured.runner` is the replay that the engine calls from then on.
+
+Problems that mean "this key runs eagerly" raise :class:`Uncapturable`; an argument
+found written only at capture raises :class:`WritesFound`; a user's own exception
+propagates unchanged, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .buffers import StaticInputs, output_builder
+from .capture import Backend, Pool
+from .guards import Watch, running
+from .keys import Flat
+from .mutation import WriteRecorder, storage_ptr, watch_map
+from .vocab import EagerReason, Uncapturable
+
+# Exceptions that a failed capture raises (torch's own, and the CPU stand-in's
+# RuntimeError subclass).  Anything else comes from the user's code: it propagates.
+CAPTURE_ERRORS = (RuntimeError, MemoryError)
+
+
+class WritesFound(Exception):
+    """The capture found arguments written through no declared operator write."""
+
+    def __init__(self, positions: set[int]) -> None:
+        super().__init__(sorted(positions))
+        self.positions = positions
+
+
+class Warmed:
+    """What one warmup run learned."""
+
+    __slots__ = ("out", "written", "hidden", "seconds", "problem")
+
+    def __init__(self, out: Any, written: set[int], hidden: list[torch.Tensor],
+                 seconds: float, problem: Uncapturable | None) -> None:
+        self.out = out
+        self.written = written
+        self.hidden = hidden
+        self.seconds = seconds
+        self.problem = problem  # why graphs would get this call wrong, or None
+
+
+def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
+         watch: Watch, *, learn: bool, timed: bool) -> Warmed:
+    """Run the call eagerly on the capture stream; with ``learn``, record what it
+    writes and reads, and whether graphs would get it wrong (``Warmed.problem``)."""
+    args, kwargs = flat.call()
+    recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
+                             _known(flat, watch)) if learn else None
+    watch.assigned = None
+    host = _host_random_state(device) if learn else None
+    with nested_block(), running(watch):
+        if timed:
+            backend.synchronize(device)
+        start = time.perf_counter()
+        with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK:
+            out = fn(*args, **kwargs)
+        if timed:
+            backend.synchronize(device)
+        seconds = time.perf_counter() - start
+    backend.after_warmup(device, out)
+    try:
+        _check(watch, out, host, device)
+        problem = None
+    except Uncapturable as exc:
+        problem = exc
+    return Warmed(out, recorder.written if recorder else set(),
+                  list(recorder.hidden.values()) if recorder else [], seconds, problem)
+
+
+def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
+    """Raise for what a warmup run showed a graph would get wrong."""
+    if watch.assigned:
+        raise Uncapturable(EagerReason.ASSIGNS, watch.assigned)
+    if host is not None and _host_random_state(device) != host:
+        raise Uncapturable(EagerReason.HOST_RANDOM)
+    if torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)
+    ):
+        raise Uncapturable(EagerReason.AUTOGRAD, "an output requires grad (a tensor the "
+                           "call reads requires grad)")
+
+
+def _known(flat: Flat, watch: Watch) -> set[int]:
+    """Storages a graph may read without a guard of its own: the arguments', and the
+    parameters', buffers' and named globals' (guarded by the watch)."""
+    known = {storage_ptr(flat.leaves[i]) for i in flat.tensor_pos}
+    known.update(watch.storage_ptrs())
+    return known
+
+
+def _host_random_state(device: torch.device) -> tuple[Any, ...]:
+    """The host generators a forward might draw from to decide what to run (torch's
+    CPU generator is the device's own when the graph runs on the CPU stand-in)."""
+    state: list[Any] = [random.getstate()]
+    if device.type != "cpu":
+        state.append(bytes(torch.random.default_generator.get_state().numpy()))
+    np = sys.modules.get("numpy")
+    if np is not None:
+        with contextlib.suppress(Exception):
+            state.append(np.random.get_state()[2])  # the position in the stream
+    return tuple(state)
+
+
+class Captured:
+    """A captured graph with everything its replay needs."""
+
+    __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
+                 "state_written")
+
+    def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
+                 backend: Backend, device: torch.device, seeded: bool,
+                 hidden: list[torch.Tensor], state_written: list[torch.Tensor]) -> None:
+        self.graph = graph
+        self.static = static
+        self.build = build
+        self.backend = backend
+        self.device = device
+        self.pool: Pool = backend.pool(device)
+        self.seeded = seeded  # random operators ran: replays draw new numbers
+        self.hidden = hidden
+        self.state_written = state_written  # parameters and buffers the graph writes
+
+    def synchronize(self) -> None:
+        self.backend.synchronize(self.device)
+
+    def runner(self) -> Callable[[Any], Any]:
+        """The replay, with everything it needs bound: copy the arguments in, replay,
+        build the outputs.  Serialized per device, since the graphs of a pool share
+        memory and a capture must not overlap a replay."""
+        lock, pool, device = self.pool.lock, self.pool, self.device
+        order = self.backend.order_replay
+        replay = self.graph.replay
+        static, build = self.static, self.build
+        single = getattr(build, "single_output", None)
+        if single is not None and len(static.positions) == 1:
+            # one tensor in, one tensor out: the common case, with no call in between
+            pos, copy, clone = static.positions[0], static.buffers[0].copy_, single.clone
+
+            def run_one(leaves: Any) -> Any:
+                with lock:
+                    order(device, pool)
+                    copy(leaves[pos])
+                    replay()
+                    return clone()
+
+            return run_one
+        copy_in = static.copy_in
+
+        def run(leaves: Any) -> Any:
+            with lock:
+                order(device, pool)
+                copy_in(leaves)
+                replay()
+                return build(leaves)
+
+        return run
+
+
+def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
+            watch: Watch, inplace: tuple[int, ...]) -> Captured:
+    """Capture the call on static buffers (arguments at ``inplace`` at the caller's own
+    address).  Nothing has run when it returns: the first replay produces the result."""
+    leaves = list(flat.leaves)
+    static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
+    args, kwargs = flat.rebuild(static.substitute(leaves))
+    state = list(watch.tensors())
+    watched = watch_map(static.substitute(leaves), tuple(static.positions))
+    for n, t in enumerate(state):  # parameters and buffers as negative positions
+        if t.numel():
+            watched.setdefault(storage_ptr(t), []).append(-1 - n)
+    recorder = WriteRecorder(watched, _known(flat, watch) | {storage_ptr(b) for b in
+                                                              static.buffers if b.numel()})
+    watch.assigned = None
+    host = _host_random_state(device)
+    with nested_block(), running(watch), recorder, _no_autocast_cache():
+        try:
+            graph, out = backend.capture(device, lambda: fn(*args, **kwargs))
+        except CAPTURE_ERRORS as exc:
+            raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
+    _check(watch, None, host, device)
+    written = {i for i in recorder.written if i >= 0}
+    if written:  # an argument thought read-only is written: capture it in place
+        raise WritesFound(written)
+    build = output_builder(out, leaves, static, inplace, watch.storage_ptrs())
+    state_written = [state[-1 - i] for i in recorder.written if i < 0]
+    return Captured(graph, static, build, backend, device, recorder.seeded,
+                    list(recorder.hidden.values()), state_written)
+
+
+def hand_back(captured: Captured, leaves: list[Any]) -> list[int]:
+    """After the first replay: arguments the graph wrote through something no operator
+    declared (a raw kernel) get their new values now; returns their positions."""
+    static = captured.static
+    missed = static.differing(leaves)
+    if missed:
+        with torch.inference_mode():
+            for i, buf in zip(static.positions, static.buffers):
+                if i in missed:
+                    leaves[i].copy_(buf)
+    return missed
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}"[:200]
+
+
+_NO_BLOCK = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _no_autocast_cache() -> Iterator[None]:
+    """No autocast cache during a capture: a weight cast cached by an earlier eager call
+    would be read by the graph from memory the cache frees when its autocast block ends;
+    uncached, the cast is captured and redone on every replay."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+class nested_block:  # noqa: N801 - used like a function
+    """Marks this thread as inside a warmup or capture: nested graphed calls run
+    eagerly.  ``active`` counts such blocks in all threads, so the call path reads the
+    thread-local only while some thread is warming up."""
+
+    __slots__ = ()
+    active = 0
+    _local = threading.local()
+    _lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        with nested_block._lock:
+            nested_block.active += 1
+        local = nested_block._local
+        local.depth = getattr(local, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        nested_block._local.depth -= 1
+        with nested_block._lock:
+            nested_block.active -= 1
+
+
+def is_nested() -> bool:
+    """True inside a graphed call's warmup or capture (in this thread)."""
+    return bool(nested_block.active and getattr(nested_block._local, "depth", 0))

@@ -1,0 +1,119 @@
+"""Verified replays (``verify_every=N``): every Nth replay of a graph is checked against
+eager.
+
+The replay runs as usual on the caller's tensors; then the call runs eagerly on copies
+of its arguments (the written ones as they were before the replay) with the module
+state the graph wrote put back first, and outputs, written arguments and written state
+are compared within the dtype's tolerance.  A mismatch puts the caller's tensors and
+the module state back as they were, reruns the call eagerly for its true result, drops
+the graph and makes its key eager for good, with a WARNING naming the largest
+difference.  Graphs that draw random numbers are not checked (their replays differ
+from eager by design).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .keys import Flat
+
+ENV_VAR = "AUTOGRAPH_VERIFY_EVERY"
+
+
+def every_from_env() -> int | None:
+    """``AUTOGRAPH_VERIFY_EVERY`` as a positive int, or None when unset or invalid."""
+    text = os.environ.get(ENV_VAR, "").strip()
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """How far a replay may differ from eager: kernels chosen per stream may round
+    differently, within the precision of the dtype."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1e-2
+    if dtype == torch.float32:
+        return 1e-4
+    return 1e-7
+
+
+def largest_difference(expect: Any, got: Any) -> str | None:
+    """None when ``got`` equals ``expect`` within tolerance, else where and by how much
+    they differ most."""
+    a, spec_a = pytree.tree_flatten(expect)
+    b, spec_b = pytree.tree_flatten(got)
+    if spec_a != spec_b:
+        return "the output structure differs"
+    for n, (x, y) in enumerate(zip(a, b)):
+        if isinstance(x, torch.Tensor):
+            problem = _tensor_difference(x, y)
+            if problem:
+                return f"leaf {n}: {problem}"
+        elif type(x) is not type(y) or (x != y and x == x):  # noqa: PLR0124 - NaN
+            return f"leaf {n}: {x!r} != {y!r}"
+    return None
+
+
+def _tensor_difference(x: torch.Tensor, y: Any) -> str | None:
+    if not isinstance(y, torch.Tensor) or x.shape != y.shape or x.dtype != y.dtype:
+        return "shape or dtype differs"
+    if not (x.is_floating_point() or x.is_complex()):
+        return None if torch.equal(x, y) else "integer values differ"
+    tol = tolerance(x.dtype)
+    if torch.allclose(x, y, rtol=tol, atol=tol, equal_nan=True):
+        return None
+    diff = (x.double() - y.double()).abs().nan_to_num(float("inf")).max().item()
+    return f"max abs difference {diff:.3g} (tolerance {tol:g})"
+
+
+class Verifier:
+    """Checks one replay; ``check`` returns the call's result and a problem or None."""
+
+    def __init__(self, eager: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> None:
+        self.eager = eager  # runs the original function (under the watch)
+
+    def check(self, run: Callable[[Any], Any], flat: Flat, written: tuple[int, ...],
+              state: list[torch.Tensor]) -> tuple[Any, str | None]:
+        leaves = list(flat.leaves)
+        before = {i: leaves[i].detach().clone() for i in flat.tensor_pos}
+        state_before = [t.detach().clone() for t in state]
+        result = run(flat.leaves)
+        state_graph = [t.detach().clone() for t in state]
+        _restore(state, state_before)
+        copies = list(leaves)
+        for i, t in before.items():
+            copies[i] = t.clone()
+        expect = self.eager(*flat.rebuild(copies))
+        problem = largest_difference(expect, result)
+        for i in written:
+            problem = problem or _prefixed(f"argument {i}", _tensor_difference(copies[i],
+                                                                               leaves[i]))
+        for n, (now, graph) in enumerate(zip(state, state_graph)):
+            problem = problem or _prefixed(f"state {n}", _tensor_difference(now, graph))
+        if problem is None:
+            return result, None
+        for i in written:  # undo what the replay wrote, then run eagerly for real
+            with torch.no_grad():
+                leaves[i].copy_(before[i])
+        _restore(state, state_before)
+        return self.eager(*flat.call()), problem
+
+
+def _restore(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t, v in zip(tensors, values):
+            t.copy_(v)
+
+
+def _prefixed(where: str, problem: str | None) -> str | None:
+    return f"{where}: {problem}" if problem else None

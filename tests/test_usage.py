@@ -648,6 +648,29 @@ def test_float32_matmul_precision_toggled_between_calls():
     replayed(g)
 
 
+def test_matmul_fp32_precision_new_api_does_not_raise():
+    """torch.backends.cuda.matmul.fp32_precision (the new API) set by the user: graphed
+    calls neither raise nor differ from eager (reading the legacy precision then raises
+    in torch)."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch.backends.cuda.matmul.fp32_precision is not in this torch")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).eval()
+    g = autograph.graphed(m)
+    saved = matmul.fp32_precision
+    try:
+        with torch.no_grad():
+            for precision in ("tf32", "ieee", saved, "tf32"):
+                matmul.fp32_precision = precision
+                for _ in range(CALLS):
+                    x = torch.randn(3, 16)
+                    torch.testing.assert_close(g(x), m(x))
+    finally:
+        matmul.fp32_precision = saved
+    replayed(g)
+
+
 # 7. Host randomness -----------------------------------------------------------------
 
 

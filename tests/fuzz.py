@@ -6,7 +6,16 @@ written in place), wraps it with ``autograph.graphed``, and drives it and an eag
 copy with the same random sequence of events: calls with repeated and new shapes,
 in-place weight updates, parameter replacement, train/eval switches, grad on and off,
 dtype changes.  After every call the outputs, the in-place input and the module state
-must agree within the dtype's tolerance.  A failure names the seed and the step, so
+must agree within the dtype's tolerance.
+
+Calls come in bursts: a burst fixes a call pattern (shape, keyword or positional, a
+cache rotated among several, a strided input view, an out-argument, a read argument
+that is separate from, the same as, or overlapping the written cache, a Python flag,
+an output that is a view of the input, a call that raises) and makes ``burst`` calls
+with it on fresh random inputs, so most calls of a key are replays.  Between calls,
+events change the model (in-place updates, new parameters, train/eval, dtype) or the
+process's flags (float32 matmul precision, the default dtype).  A failure names the
+seed and the step, so
 
     python -m tests.fuzz --seed N --device cuda
 
@@ -23,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import autograph
 
@@ -85,7 +95,14 @@ BLOCKS: dict[str, Callable[[int], nn.Module]] = {
 
 
 class Model(nn.Module):
-    """``forward(x, state)``: the blocks on x; ``state`` (batch, d) is written in place."""
+    """``forward(x, state, ...)``: the blocks on x; ``state`` (batch, d) is written in place.
+
+    Optional keyword arguments make the call patterns of issue 12: ``extra`` (batch, d)
+    is read after ``state`` was written (so it matters whether it aliases it), ``out``
+    (batch, d) is an out-argument returned as such, ``flag`` picks a Python branch,
+    ``view`` returns a view of ``x`` too, ``fail`` raises.  A tensor made inside with
+    the default dtype makes the default dtype matter.
+    """
 
     def __init__(self, blocks: list[str], d: int, decay: float) -> None:
         super().__init__()
@@ -94,11 +111,30 @@ class Model(nn.Module):
         self.blocks = nn.ModuleList(BLOCKS[b](d) for b in blocks)
         self.decay = decay
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: torch.Tensor, *, extra: Any = None,
+                out: Any = None, flag: Any = None, view: bool = False,
+                fail: bool = False) -> Any:
+        if fail:
+            raise ValueError("forward asked to fail")
+        h = x
         for block in self.blocks:
-            x = x + block(x) if isinstance(block, nn.Linear) else block(x)
-        state.mul_(self.decay).add_(x.mean(1).to(state.dtype))  # an input written in place
-        return x + state.unsqueeze(1).to(x.dtype)
+            h = h + block(h) if isinstance(block, nn.Linear) else block(h)
+        if flag is not None:  # a Python decision on a non-tensor argument
+            h = h * 0.5 if flag else h - 1.0
+        state.mul_(self.decay).add_(h.mean(1).to(state.dtype))  # an input written in place
+        y = h + state.unsqueeze(1).to(h.dtype)
+        if extra is not None:  # read after the write: differs when extra aliases state
+            y = y + extra.unsqueeze(1).to(y.dtype)
+        y = y + torch.full((self.d,), 0.01, device=y.device)  # the default dtype
+        if out is None and not view:
+            return y
+        result: list[torch.Tensor] = [y]
+        if out is not None:
+            out.copy_(y.mean(1).to(out.dtype))
+            result.append(out)
+        if view:
+            result.append(x[:, :1])  # an output that is a view of an argument
+        return tuple(result)
 
 
 def build(rng: random.Random, device: str) -> Model:
@@ -112,10 +148,22 @@ def dtypes_for(device: str) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16]  # CPU kernels lack some fp16 ops
 
 
-def run(seed: int, device: str, calls: int, *, warmup: int | None = None) -> dict[str, int]:
-    """Fuzz one model for ``calls`` calls; raise AssertionError naming seed and step."""
+PATTERNS = frozenset({"keyword", "rotate", "strided", "extra", "out", "flag", "view",
+                      "fail", "precision", "default-dtype"})
+
+
+def run(seed: int, device: str, calls: int, *, warmup: int | None = None,
+        burst: tuple[int, int] = (8, 24), patterns: frozenset[str] | None = PATTERNS,
+        events: bool = True) -> dict[str, int]:
+    """Fuzz one model for ``calls`` calls; raise AssertionError naming seed and step.
+
+    ``burst``: how many calls share one call pattern (a longer burst: more replays).
+    ``patterns``: the call patterns used (``None`` or empty: plain ``model(x, state)``
+    calls only).  ``events``: model and flag changes between calls.
+    """
     rng = random.Random(seed)
     torch.manual_seed(seed)
+    patterns = patterns or frozenset()
     model = build(rng, device).eval()
     reference = copy.deepcopy(model)
     options: dict[str, Any] = {"warmup": warmup if warmup is not None else rng.randint(0, 2)}
@@ -132,71 +180,162 @@ def run(seed: int, device: str, calls: int, *, warmup: int | None = None) -> dic
         fast = autograph.graphed(model, **options)
     dtype = torch.float32
     d = model.d
-    states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    shapes = [(rng.randint(1, 4), rng.randint(1, 6)) for _ in range(4)]  # a few repeat
-    events = {"call": 0}
+    # written caches, as views of a (batch, 2d) buffer so that a read argument can
+    # overlap them: (buffer, reference buffer) per (batch, slot)
+    caches: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    outs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    shapes = [(rng.randint(1, 4), rng.randint(1, 6)) for _ in range(3)]  # a few repeat
+    counted: dict[str, int] = {"call": 0}
     history: list[str] = []
+    saved_precision = torch.get_float32_matmul_precision()
+    saved_dtype = torch.get_default_dtype()
 
     def fail(step: int, what: str) -> str:
         return (f"fuzz seed {seed} on {device}, step {step}: {what}; model {model.names}; "
-                f"last events {history[-6:]}; replay: python -m tests.fuzz --seed {seed} "
-                f"--device {device} --calls {calls}")
+                f"pattern {pattern}; last events {history[-6:]}; replay: python -m tests.fuzz "
+                f"--seed {seed} --device {device} --calls {calls}")
 
-    for step in range(calls):
-        event = rng.choices(["call", "new-shape", "update", "replace", "mode", "grad",
-                             "dtype"], weights=[70, 6, 6, 4, 5, 5, 2])[0]
-        history.append(event)
-        events[event] = events.get(event, 0) + 1
-        if event == "update":  # an optimizer-like step: in place, same addresses
-            with torch.no_grad():
-                for m in (model, reference):
-                    params = sorted(m.named_parameters())
-                    if params:
-                        params[step % len(params)][1].mul_(0.9).add_(0.01)
-            continue
-        if event == "replace":
-            _replace_parameter(rng, model, reference)
-            continue
-        if event == "mode":
-            training = rng.random() < 0.5
-            model.train(training)
-            reference.train(training)
-            continue
-        if event == "dtype":
-            dtype = rng.choice(dtypes_for(device))
-            model.to(dtype)
-            reference.to(dtype)
-            states.clear()
-            continue
-        if event == "new-shape":
-            shapes.append((rng.randint(1, 5), rng.randint(1, 7)))
-        b, t = rng.choice(shapes)
-        x = torch.randn(b, t, d, device=device, dtype=dtype)
-        if b not in states:
-            s0 = torch.randn(b, d, device=device, dtype=dtype)
-            states[b] = (s0.clone(), s0.clone())
-        state, ref_state = states[b]
-        grad = event == "grad" and rng.random() < 0.7
-        with torch.set_grad_enabled(grad):
-            if rng.random() < 0.2:  # keyword arguments take the general path
-                got, error = _attempt(lambda a, b: fast(a, state=b), x, state)
-            else:
-                got, error = _attempt(fast, x, state)
-            expect, ref_error = _attempt(reference, x.clone(), ref_state)
-        if error or ref_error:  # e.g. training batch norm over one value: both must raise
-            assert type(error) is type(ref_error) and str(error) == str(ref_error), \
-                fail(step, f"graphed raised {error!r}, eager raised {ref_error!r}")
-            continue
-        tol = TOLERANCE[dtype]
-        _close(got, expect, tol, fail(step, f"output of call {b}x{t} {dtype}"))
-        _close(state, ref_state, tol, fail(step, "the input written in place"))
-        for (name, a), (_, e) in zip(model.state_dict().items(),
-                                     reference.state_dict().items()):
-            _close(a, e, tol, fail(step, f"module state {name}"))
+    def new_pattern() -> dict[str, Any]:
+        def use(name: str, p: float) -> bool:
+            return name in patterns and rng.random() < p
+
+        return {
+            "shape": rng.choice(shapes),
+            "keyword": use("keyword", 0.2),
+            "caches": rng.choice([2, 3]) if use("rotate", 0.25) else 1,
+            "strided": use("strided", 0.2),
+            "extra": rng.choice(["separate", "same", "overlap"]) if use("extra", 0.3) else None,
+            "out": use("out", 0.2),
+            "flag": rng.choice([True, False]) if use("flag", 0.3) else None,
+            "view": use("view", 0.2),
+            "fail": use("fail", 0.05),
+            "left": rng.randint(*burst),
+        }
+
+    pattern = new_pattern()
+    try:
+        for step in range(calls):
+            event = "call"
+            if events:
+                event = rng.choices(
+                    ["call", "new-shape", "update", "replace", "mode", "grad", "dtype",
+                     "precision", "default-dtype"],
+                    weights=[300, 3, 6, 2, 2, 4, 1,
+                             2 * ("precision" in patterns), 2 * ("default-dtype" in patterns)])[0]
+            history.append(event)
+            counted[event] = counted.get(event, 0) + 1
+            if event == "update":  # an optimizer-like step: in place, same addresses
+                with torch.no_grad():
+                    for m in (model, reference):
+                        params = sorted(m.named_parameters())
+                        if params:
+                            params[step % len(params)][1].mul_(0.9).add_(0.01)
+                continue
+            if event == "replace":
+                _replace_parameter(rng, model, reference)
+                continue
+            if event == "mode":
+                training = rng.random() < 0.5
+                model.train(training)
+                reference.train(training)
+                continue
+            if event == "dtype":
+                dtype = rng.choice(dtypes_for(device))
+                model.to(dtype)
+                reference.to(dtype)
+                caches.clear()
+                outs.clear()
+                continue
+            if event == "precision":  # keyed: a graph is captured per precision
+                torch.set_float32_matmul_precision(rng.choice(["highest", "high", "medium"]))
+                continue
+            if event == "default-dtype":  # a tensor made inside forward follows it
+                torch.set_default_dtype(rng.choice([torch.float32, torch.float64]))
+                continue
+            if event == "new-shape":
+                shapes.append((rng.randint(1, 5), rng.randint(1, 7)))
+                pattern = new_pattern()
+                pattern["shape"] = shapes[-1]
+            if pattern["left"] <= 0:
+                pattern = new_pattern()
+            pattern["left"] -= 1
+            grad = event == "grad" and rng.random() < 0.7
+            _call(fast, model, reference, pattern, step, grad, caches, outs, d, dtype, device, fail)
+    finally:
+        torch.set_float32_matmul_precision(saved_precision)
+        torch.set_default_dtype(saved_dtype)
     stats = autograph.stats(model if style == "region" else fast)
     assert stats["calls"] == stats["replays"] + stats["captures"] + stats["eager"], stats
     return {"replays": stats["replays"], "captures": stats["captures"],
             "eager": stats["eager"], "calls": stats["calls"]}
+
+
+def _call(fast: Callable[..., Any], model: nn.Module, reference: nn.Module,
+          pattern: dict[str, Any], step: int, grad: bool, caches: dict[Any, Any],
+          outs: dict[Any, Any], d: int, dtype: torch.dtype, device: str,
+          fail: Callable[[int, str], str]) -> None:
+    """One call with ``pattern``, graphed and eager, and everything compared."""
+    b, t = pattern["shape"]
+    slot = step % pattern["caches"]
+    if (b, slot) not in caches:
+        buf = torch.randn(b, 2 * d, device=device, dtype=dtype)
+        caches[b, slot] = (buf, buf.clone())
+    buf, ref_buf = caches[b, slot]
+    state, ref_state = buf[:, :d], ref_buf[:, :d]
+    if pattern["strided"]:  # a strided view of a larger tensor
+        xbase = torch.randn(b, t, 2 * d, device=device, dtype=dtype)
+        x = xbase[:, :, ::2]
+    else:
+        x = torch.randn(b, t, d, device=device, dtype=dtype)
+    kwargs: dict[str, Any] = {}
+    ref_kwargs: dict[str, Any] = {}
+    extra = pattern["extra"]
+    if extra == "separate":
+        e = torch.randn(b, d, device=device, dtype=dtype)
+        kwargs["extra"], ref_kwargs["extra"] = e, e.clone()
+    elif extra == "same":  # the written cache passed again as a read argument
+        kwargs["extra"], ref_kwargs["extra"] = state, ref_state
+    elif extra == "overlap":  # half of it overlaps the written cache
+        kwargs["extra"], ref_kwargs["extra"] = buf[:, d // 2:d // 2 + d], \
+            ref_buf[:, d // 2:d // 2 + d]
+    if pattern["out"]:
+        if (b, slot) not in outs:
+            o = torch.randn(b, d, device=device, dtype=dtype)
+            outs[b, slot] = (o, o.clone())
+        kwargs["out"], ref_kwargs["out"] = outs[b, slot]
+    if pattern["flag"] is not None:
+        kwargs["flag"] = ref_kwargs["flag"] = pattern["flag"]
+    if pattern["view"]:
+        kwargs["view"] = ref_kwargs["view"] = True
+    if pattern["fail"]:
+        kwargs["fail"] = ref_kwargs["fail"] = True
+    with torch.set_grad_enabled(grad):
+        if pattern["keyword"]:  # keyword arguments take the general path
+            got, error = _attempt(lambda a, s: fast(a, state=s, **kwargs), x, state)
+        else:
+            got, error = _attempt(lambda a, s: fast(a, s, **kwargs), x, state)
+        expect, ref_error = _attempt(lambda a, s: reference(a, s, **ref_kwargs),
+                                     x.clone(), ref_state)
+    if error or ref_error:  # e.g. training batch norm over one value: both must raise
+        assert type(error) is type(ref_error) and str(error) == str(ref_error), \
+            fail(step, f"graphed raised {error!r}, eager raised {ref_error!r}")
+        return
+    tol = TOLERANCE[dtype]
+    what = f"call {b}x{t} {dtype}"
+    if isinstance(expect, tuple):
+        assert isinstance(got, tuple) and len(got) == len(expect), fail(step, what)
+        if pattern["out"]:
+            assert got[1] is kwargs["out"], fail(step, f"{what}: the out-argument itself")
+        if pattern["view"]:
+            v = got[-1]
+            assert v.data_ptr() == x[:, :1].data_ptr() and v.stride() == x[:, :1].stride(), \
+                fail(step, f"{what}: the output view of x is in x's storage")
+    _close(got, expect, tol, fail(step, f"output of {what}"))
+    _close(buf, ref_buf, tol, fail(step, "the input written in place (and its buffer)"))
+    if "out" in kwargs:
+        _close(kwargs["out"], ref_kwargs["out"], tol, fail(step, "the out-argument"))
+    for (name, a), (_, e) in zip(model.state_dict().items(), reference.state_dict().items()):
+        _close(a, e, tol, fail(step, f"module state {name}"))
 
 
 def _attempt(fn: Callable[..., Any], *args: Any) -> tuple[Any, Exception | None]:
@@ -225,14 +364,18 @@ def _replace_parameter(rng: random.Random, model: nn.Module, reference: nn.Modul
 
 
 def _close(a: Any, b: Any, tol: float, message: str) -> None:
-    torch.testing.assert_close(a.detach(), b.detach(), rtol=tol, atol=tol, msg=message)
+    a, b = (pytree.tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, z)
+            for z in (a, b))
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=message)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seed", type=int, nargs="+", default=[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--calls", type=int, default=60)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--burst", type=int, nargs=2, default=[8, 24])
+    parser.add_argument("--plain", action="store_true", help="no issue-12 call patterns")
     args = parser.parse_args()
     if args.device == "cpu":  # graph CPU tensors through the test stand-in
         from autograph.capture import use_backend
@@ -241,7 +384,9 @@ def main() -> None:
 
         use_backend(StandinBackend())
     for seed in args.seed:
-        print(seed, run(seed, args.device, args.calls))
+        patterns = frozenset() if args.plain else PATTERNS
+        print(seed, run(seed, args.device, args.calls, burst=tuple(args.burst),
+                        patterns=patterns))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1012 @@
+"""Issue 12: the ways real code uses a graphed callable that a graph can get wrong,
+proved on the CPU stand-in (whose replay re-runs only the recorded operators on the
+captured tensors, so a stale value or a forgotten alias gives a wrong result).
+
+Every test compares the graphed result with eager on fresh random inputs, checks the
+caller's tensors and module state, and, where a graph is possible, that replays
+happened; where the call must run eagerly, that it did.  Reason strings are not pinned.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import random
+import threading
+import types
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import autograph
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+ORIGINAL_CALL = nn.Module.__call__
+CALLS = 8  # default warmup 2: the 3rd call of a key captures, the 4th+ replay
+
+
+def counts(fn):
+    s = autograph.stats(fn)
+    assert s["calls"] == s["replays"] + s["captures"] + s["eager"], s
+    return s
+
+
+def replayed(fn):
+    s = counts(fn)
+    assert s["replays"] > 0, s
+    return s
+
+
+def one(stats):
+    (value,) = stats.values()
+    return value
+
+
+# 1. Arguments that alias each other ---------------------------------------------------
+
+
+def test_mha_self_attention_with_a_fully_padded_row_equals_eager():
+    """nn.MultiheadAttention takes another path when query, key and value are one
+    tensor; a fully padded row gives NaN in eager, and the graph must agree."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    g = autograph.graphed(mha)
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    mask[1] = True  # a fully padded row
+    mask[0, 3:] = True
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(3, 5, 16)
+            out, _ = g(x, x, x, key_padding_mask=mask, need_weights=False)
+            expect, _ = mha(x, x, x, key_padding_mask=mask, need_weights=False)
+            torch.testing.assert_close(out, expect, equal_nan=True)
+    replayed(g)
+
+
+def test_mha_self_attention_and_separate_key_value_do_not_share_a_graph():
+    """The same shapes with q is k is v and with three distinct tensors: each call
+    equals eager whatever the order."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    g = autograph.graphed(mha)
+    mask = torch.zeros(2, 4, dtype=torch.bool)
+    mask[1] = True
+    with torch.no_grad():
+        for i in range(3 * CALLS):
+            x = torch.randn(2, 4, 16)
+            if (i // 4) % 2:  # blocks of self-attention, then of distinct tensors
+                args = (x, x, x)
+            else:
+                args = (x, torch.randn(2, 4, 16), torch.randn(2, 4, 16))
+            out, _ = g(*args, key_padding_mask=mask, need_weights=False)
+            expect, _ = mha(*args, key_padding_mask=mask, need_weights=False)
+            torch.testing.assert_close(out, expect, equal_nan=True)
+    replayed(g)
+
+
+def read_write(x, out):
+    out.mul_(0.5)
+    out.add_(x * 2)  # reads x after out was written: differs when x aliases out
+    return out
+
+
+def test_written_argument_passed_also_as_the_read_argument_after_a_capture():
+    g = autograph.graphed(read_write)
+    out, ref = torch.randn(6), None
+    ref = out.clone()
+    with torch.no_grad():
+        for _ in range(CALLS):  # captured with distinct tensors
+            x = torch.randn(6)
+            res = g(x, out)
+            read_write(x, ref)
+            assert res is out
+            torch.testing.assert_close(out, ref)
+        for _ in range(4):  # now the same tensor twice
+            res = g(out, out)
+            read_write(ref, ref)
+            assert res is out
+            torch.testing.assert_close(out, ref)
+    replayed(g)
+
+
+def test_aliased_read_and_written_arguments_from_the_first_call():
+    g = autograph.graphed(read_write)
+    out = torch.randn(6)
+    ref = out.clone()
+    with torch.no_grad():
+        for _ in range(CALLS):
+            res = g(out, out)
+            read_write(ref, ref)
+            assert res is out
+            torch.testing.assert_close(out, ref)
+    counts(g)
+
+
+def test_overlapping_ranges_of_one_storage():
+    """f(buf[:4], buf[2:6]) after captures of f(x, buf[2:6]): the read argument overlaps
+    the written one, so it is handled as written or the call runs eagerly."""
+    g = autograph.graphed(read_write)
+    buf = torch.randn(8)
+    ref = buf.clone()
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(4)
+            g(x, buf[2:6])
+            read_write(x, ref[2:6])
+            torch.testing.assert_close(buf, ref)
+        for _ in range(CALLS):
+            g(buf[:4], buf[2:6])
+            read_write(ref[:4], ref[2:6])
+            torch.testing.assert_close(buf, ref)
+    replayed(g)
+
+
+def test_overlapping_ranges_from_the_first_call():
+    g = autograph.graphed(read_write)
+    buf = torch.randn(8)
+    ref = buf.clone()
+    with torch.no_grad():
+        for _ in range(CALLS):
+            g(buf[:4], buf[2:6])
+            read_write(ref[:4], ref[2:6])
+            torch.testing.assert_close(buf, ref)
+    counts(g)
+
+
+def test_the_aliasing_pattern_is_part_of_the_key():
+    """A Python decision on ``a is b`` is baked into a graph: (x, x) and (x, y) of the
+    same shapes must not share one, in either order; read-only aliases may replay."""
+
+    def f(a, b):
+        return a * 2 if a is b else a - b
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for i in range(4 * CALLS):
+            x = torch.randn(5)
+            y = x if (i // CALLS) % 2 == 0 else torch.randn(5)
+            torch.testing.assert_close(g(x, y), f(x, y))
+    replayed(g)
+
+
+def test_same_storage_views_are_part_of_the_key():
+    """Two read-only views of one storage against two separate tensors: a function that
+    writes into a fresh result through one and reads the other stays exact."""
+
+    def f(a, b):
+        return a + b.flip(0)
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for i in range(3 * CALLS):
+            base = torch.randn(10)
+            a, b = (base[:5], base[5:]) if i % 2 else (torch.randn(5), torch.randn(5))
+            torch.testing.assert_close(g(a, b), f(a, b))
+    replayed(g)
+
+
+# 2. Outputs that are views of arguments ------------------------------------------------
+
+VIEWS = {
+    "slice": lambda x: x[1:],
+    "transpose": lambda x: x.t(),
+    "column": lambda x: x[:, 1],
+    "unsqueeze": lambda x: x.unsqueeze(0),
+    "diagonal": lambda x: x.diagonal(),
+    "narrow-of-transpose": lambda x: x.t()[1:],
+}
+
+
+@pytest.mark.parametrize("view", list(VIEWS))
+def test_an_output_view_of_a_strided_argument_is_that_view_of_the_callers_tensor(view):
+    fn = VIEWS[view]
+
+    def f(x):
+        return fn(x), x * 2
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            base = torch.randn(4, 8)
+            x = base[:, ::2]  # a strided argument
+            out, doubled = g(x)
+            expect = fn(x)
+            torch.testing.assert_close(out, expect)
+            torch.testing.assert_close(doubled, x * 2)
+            assert out.shape == expect.shape and out.stride() == expect.stride()
+            assert out.data_ptr() == expect.data_ptr()
+            assert out._base is base
+            assert out.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            out.fill_(7)  # a write through the output reaches the argument
+            assert torch.equal(fn(x), torch.full_like(expect, 7))
+            assert (base == 7).sum() == expect.numel()
+    replayed(g)
+
+
+def test_an_output_view_of_a_written_strided_argument():
+    def f(cache, v):
+        cache[:, 0].add_(v)
+        return cache[1:], cache.sum()
+
+    g = autograph.graphed(f)
+    base = torch.randn(5, 6)
+    cache, ref = base[:, ::2], base.clone()[:, ::2]
+    with torch.no_grad():
+        for _ in range(CALLS):
+            v = torch.randn(5)
+            out, total = g(cache, v)
+            expect, expect_total = f(ref, v)
+            torch.testing.assert_close(cache, ref)
+            torch.testing.assert_close(out, expect)
+            torch.testing.assert_close(total, expect_total)
+            assert out.data_ptr() == cache[1:].data_ptr() and out._base is base
+    counts(g)
+
+
+# 3. Exceptions ----------------------------------------------------------------------
+
+
+def test_an_exception_on_the_capturing_call_propagates_once_and_the_body_runs_once():
+    runs = [0]
+
+    def f(x):
+        runs[0] += 1
+        if runs[0] == 3:  # the call that captures
+            raise ValueError("third call")
+        return x * 2 + 1
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for i in range(2):
+            x = torch.randn(4)
+            torch.testing.assert_close(g(x), x * 2 + 1)
+            assert runs[0] == i + 1
+        with pytest.raises(ValueError, match="third call"):
+            g(torch.randn(4))
+        assert runs[0] == 3
+        for _ in range(CALLS):
+            x = torch.randn(4)
+            torch.testing.assert_close(g(x), x * 2 + 1)
+    replayed(g)
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_an_exception_in_a_warmup_call_propagates_once(failing):
+    runs = [0]
+
+    def f(x):
+        runs[0] += 1
+        if runs[0] == failing:
+            raise ValueError("warmup")
+        return x.exp()
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for call in range(1, 3 + CALLS):
+            x = torch.randn(4)
+            before = runs[0]
+            if call == failing:
+                with pytest.raises(ValueError, match="warmup"):
+                    g(x)
+            else:
+                torch.testing.assert_close(g(x), x.exp())
+            if call <= 4:  # warmups and the capture: the body ran exactly once
+                assert runs[0] == before + 1, (call, runs[0])
+    replayed(g)
+
+
+FAIL = {"on": False}
+
+
+class Flaky(nn.Module):
+    """Raises while a global flag says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.runs = [0]
+
+    def forward(self, x):
+        self.runs[0] += 1
+        if FAIL["on"]:
+            raise ValueError("flag")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("style", ["wrapper", "region"])
+def test_a_module_raising_on_the_capturing_call(style):
+    torch.manual_seed(0)
+    m = Flaky().eval()
+    g = autograph.graphed(m) if style == "wrapper" else m
+    region = autograph.capture_region()
+
+    def call(x):
+        if style == "region":
+            with region:
+                return g(x)
+        return g(x)
+
+    try:
+        with torch.no_grad():
+            for i in range(2):
+                x = torch.randn(3, 4)
+                torch.testing.assert_close(call(x), m.fc(x))
+                assert m.runs[0] == i + 1
+            FAIL["on"] = True
+            with pytest.raises(ValueError, match="flag"):
+                call(torch.randn(3, 4))
+            assert m.runs[0] == 3
+            FAIL["on"] = False
+            for _ in range(CALLS):
+                x = torch.randn(3, 4)
+                torch.testing.assert_close(call(x), m.fc(x))
+    finally:
+        FAIL["on"] = False
+    assert nn.Module.__call__ is ORIGINAL_CALL
+    replayed(g if style == "wrapper" else m)
+
+
+# 4. Buckets -----------------------------------------------------------------------------
+
+
+def test_buckets_a_later_call_writing_another_argument_updates_the_callers_tensor():
+    def f(x, a, b, which):
+        (a if which else b).add_(x)
+        return x * 2
+
+    g = autograph.graphed(f, buckets=[2, 4, 8])
+    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    ra, rb = a.clone(), b.clone()
+    with torch.no_grad():
+        for which in (True, False, True, False):
+            for _ in range(CALLS):
+                x = torch.randn(3, 5)
+                out = g(x, a, b, which)
+                expect = f(x, ra, rb, which)
+                torch.testing.assert_close(out, expect)
+                assert out.shape == (3, 5)
+                torch.testing.assert_close(a, ra)
+                torch.testing.assert_close(b, rb)
+    replayed(g)
+
+
+MIX = False
+
+
+class Centre(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.mix = False
+
+    def forward(self, x):
+        x = self.fc(x)
+        return x - x.mean(0) if self.mix else x * 2
+
+
+def centre(x):
+    return x - x.mean(0) if MIX else x * 2
+
+
+@pytest.mark.parametrize("switch", ["argument", "attribute", "global"])
+def test_buckets_a_flag_that_switches_on_a_row_mixing_path_later(switch):
+    """Batch 3 padded to 4: with mix=False the rows do not interact; when the flag turns
+    the mixing path on later, padded rows must not enter the mean."""
+    global MIX
+    torch.manual_seed(0)
+    if switch == "argument":
+        def f(x, mix):
+            return x - x.mean(0) if mix else x * 2
+
+        g = autograph.graphed(f, buckets=[2, 4, 8])
+
+        def call(fn, x, mix):
+            return fn(x, mix)
+    elif switch == "attribute":
+        m = Centre().eval()
+        g = autograph.graphed(m, buckets=[2, 4, 8])
+        f = m
+
+        def call(fn, x, mix):
+            m.mix = mix
+            return fn(x)
+    else:
+        g = autograph.graphed(centre, buckets=[2, 4, 8])
+        f = centre
+
+        def call(fn, x, mix):
+            global MIX
+            MIX = mix
+            return fn(x)
+    try:
+        with torch.no_grad():
+            for mix in (False, True, False, True):
+                for _ in range(CALLS):
+                    x = torch.randn(3, 5)
+                    out = call(g, x, mix)
+                    expect = call(f, x, mix)
+                    torch.testing.assert_close(out, expect)
+    finally:
+        MIX = False
+    counts(g)
+
+
+# 5. Tensors read from outside the arguments, parameters and buffers --------------------
+
+
+class Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+def parametrized_linear():
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 6).eval()
+    parametrize.register_parametrization(layer, "weight", Symmetric())
+    return layer
+
+
+def test_parametrization_without_cache_sees_weight_updates():
+    layer = parametrized_linear()
+    g = autograph.graphed(layer)
+    with torch.no_grad():
+        for step in range(3 * CALLS):
+            if step % CALLS == CALLS - 1:
+                layer.parametrizations.weight.original.mul_(2)
+            x = torch.randn(2, 6)
+            torch.testing.assert_close(g(x), layer(x))
+    replayed(g)
+
+
+@pytest.mark.parametrize("update", ["in-place", "new-data"])
+def test_parametrize_cached_then_a_weight_update_after_the_block(update):
+    layer = parametrized_linear()
+    g = autograph.graphed(layer)
+    with torch.no_grad():
+        with parametrize.cached():
+            for _ in range(CALLS):
+                x = torch.randn(2, 6)
+                torch.testing.assert_close(g(x), layer(x))
+        original = layer.parametrizations.weight.original
+        if update == "in-place":
+            original.mul_(2)
+        else:
+            original.data = torch.randn_like(original)
+        for _ in range(CALLS):
+            x = torch.randn(2, 6)
+            torch.testing.assert_close(g(x), layer(x))
+        with parametrize.cached():  # a new cache: a new weight tensor
+            for _ in range(CALLS):
+                x = torch.randn(2, 6)
+                torch.testing.assert_close(g(x), layer(x))
+        original.mul_(-1)
+        for _ in range(CALLS):
+            x = torch.randn(2, 6)
+            torch.testing.assert_close(g(x), layer(x))
+    counts(g)
+
+
+G = torch.randn(6)
+
+
+def scale_by_global(x):
+    return x * G
+
+
+class ByGlobal(nn.Module):
+    def forward(self, x):
+        return x * G + 1
+
+
+@pytest.mark.parametrize("style", ["function", "module"])
+def test_a_global_tensor_replaced_by_another_of_the_same_shape(style):
+    global G
+    saved = G
+    fn = scale_by_global if style == "function" else ByGlobal()
+    g = autograph.graphed(fn)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                for _ in range(CALLS):
+                    x = torch.randn(6)
+                    torch.testing.assert_close(g(x), fn(x))
+                G = torch.randn(6)  # a new object, same shape, dtype and device
+    finally:
+        G = saved
+    replayed(g)
+
+
+def test_a_tensor_in_an_attribute_of_a_plain_object_swapped_between_calls():
+    cfg = types.SimpleNamespace(scale_tensor=torch.randn(6))
+
+    def f(x):
+        return x * cfg.scale_tensor
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(3):
+            for _ in range(CALLS):
+                x = torch.randn(6)
+                torch.testing.assert_close(g(x), f(x))
+            cfg.scale_tensor = torch.randn(6)
+    counts(g)
+
+
+def test_a_tensor_attribute_of_a_config_object_held_by_a_module():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+            self.config = types.SimpleNamespace(scale_tensor=torch.randn(6))
+
+        def forward(self, x):
+            return self.fc(x) * self.config.scale_tensor
+
+    torch.manual_seed(0)
+    m = Scaled().eval()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(3):
+            for _ in range(CALLS):
+                x = torch.randn(2, 6)
+                torch.testing.assert_close(g(x), m(x))
+            m.config.scale_tensor = torch.randn(6)
+    counts(g)
+
+
+# 6. Numerics flags ------------------------------------------------------------------
+
+
+def add_ones(x):
+    return x + torch.ones(x.shape[-1])
+
+
+def test_default_dtype_changed_between_calls():
+    g = autograph.graphed(add_ones)
+    saved = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            for dtype in (torch.float32, torch.float64, torch.float32, torch.float64):
+                torch.set_default_dtype(dtype)
+                for _ in range(CALLS):
+                    x = torch.randn(5, dtype=torch.float32)
+                    out, expect = g(x), add_ones(x)
+                    assert out.dtype == expect.dtype == torch.promote_types(
+                        torch.float32, dtype)
+                    torch.testing.assert_close(out, expect)
+    finally:
+        torch.set_default_dtype(saved)
+    replayed(g)
+
+
+def test_default_dtype_for_a_tensor_made_inside_only():
+    def f(x):
+        return x.sum() + torch.ones(3)
+
+    g = autograph.graphed(f)
+    saved = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            for dtype in (torch.float64, torch.float32, torch.float64):
+                torch.set_default_dtype(dtype)
+                for _ in range(CALLS):
+                    x = torch.randn(4, dtype=torch.float64)
+                    out, expect = g(x), f(x)
+                    assert out.dtype == expect.dtype
+                    torch.testing.assert_close(out, expect)
+    finally:
+        torch.set_default_dtype(saved)
+    replayed(g)
+
+
+def deterministic_aware(x):
+    """Code that picks another algorithm when deterministic algorithms are requested
+    (as libraries do for scatter-style reductions)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return x.cumsum(0)
+    return x * 3
+
+
+def test_deterministic_algorithms_flag_toggled_between_calls():
+    g = autograph.graphed(deterministic_aware)
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        with torch.no_grad():
+            for flag in (False, True, False, True):
+                torch.use_deterministic_algorithms(flag)
+                for _ in range(CALLS):
+                    x = torch.randn(6)
+                    torch.testing.assert_close(g(x), deterministic_aware(x))
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    replayed(g)
+
+
+def matmul_precision_aware(x):
+    if torch.get_float32_matmul_precision() == "highest":
+        return x * 2
+    return x - 1
+
+
+def test_float32_matmul_precision_toggled_between_calls():
+    g = autograph.graphed(matmul_precision_aware)
+    saved = torch.get_float32_matmul_precision()
+    try:
+        with torch.no_grad():
+            for precision in ("highest", "high", "highest", "medium"):
+                torch.set_float32_matmul_precision(precision)
+                for _ in range(CALLS):
+                    x = torch.randn(6)
+                    torch.testing.assert_close(g(x), matmul_precision_aware(x))
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    replayed(g)
+
+
+def test_matmul_fp32_precision_new_api_does_not_raise():
+    """torch.backends.cuda.matmul.fp32_precision (the new API) set by the user: graphed
+    calls neither raise nor differ from eager (reading the legacy precision then raises
+    in torch)."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("torch.backends.cuda.matmul.fp32_precision is not in this torch")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).eval()
+    g = autograph.graphed(m)
+    saved = matmul.fp32_precision
+    try:
+        with torch.no_grad():
+            for precision in ("tf32", "ieee", saved, "tf32"):
+                matmul.fp32_precision = precision
+                for _ in range(CALLS):
+                    x = torch.randn(3, 16)
+                    torch.testing.assert_close(g(x), m(x))
+    finally:
+        matmul.fp32_precision = saved
+    replayed(g)
+
+
+# 7. Host randomness -----------------------------------------------------------------
+
+
+class LayerDrop(nn.Module):
+    def __init__(self, source):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.source = source
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.source == "torch":
+                keep = torch.rand(()) < 0.5  # the CPU generator decides what runs
+            else:
+                keep = random.random() < 0.5
+            if keep:
+                x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("source", ["torch", "python"])
+def test_layerdrop_on_host_random_numbers_equals_eager_under_the_same_seeds(source):
+    torch.manual_seed(0)
+    m = LayerDrop(source).eval()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(3 * CALLS):
+            x = torch.randn(2, 6)
+            torch.manual_seed(i)
+            random.seed(i)
+            out = g(x)
+            torch.manual_seed(i)
+            random.seed(i)
+            expect = m(x)
+            torch.testing.assert_close(out, expect)
+    s = counts(g)
+    assert s["eager"] > 2, s  # beyond the warmups: the decisions are the host's
+
+
+def test_host_random_numbers_made_into_a_tensor():
+    def f(x):
+        return x + torch.rand(x.shape[-1])  # CPU generator: fresh numbers every call
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for i in range(3 * CALLS):
+            x = torch.randn(4)
+            torch.manual_seed(i)
+            out = g(x)
+            torch.manual_seed(i)
+            torch.testing.assert_close(out, f(x))
+    counts(g)
+
+
+# 8. Autograd through tensors that are not parameters ----------------------------------
+
+W = torch.randn(5, requires_grad=True)
+
+
+def by_global_leaf(x):
+    return (x * W).tanh()
+
+
+@pytest.mark.parametrize("where", ["closure", "global", "object", "module-attribute"])
+def test_gradient_reaches_a_tensor_that_is_not_a_parameter(where):
+    leaf = torch.randn(5, requires_grad=True)
+    cfg = types.SimpleNamespace(w=leaf)
+    if where == "closure":
+        def f(x):
+            return (x * leaf).tanh()
+    elif where == "global":
+        f, leaf = by_global_leaf, W
+    elif where == "object":
+        def f(x):
+            return (x * cfg.w).tanh()
+    else:
+        class M(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = leaf  # a plain attribute, not a parameter
+
+            def forward(self, x):
+                return (x * self.w).tanh()
+
+        f = M()
+    g = autograph.graphed(f)
+    for _ in range(CALLS):
+        x = torch.randn(3, 5)
+        leaf.grad = None
+        loss = g(x).sum()
+        loss.backward()
+        got = leaf.grad.clone()
+        leaf.grad = None
+        f(x).sum().backward()
+        torch.testing.assert_close(got, leaf.grad)
+        torch.testing.assert_close(loss, f(x).sum())
+    leaf.grad = None
+    counts(g)
+
+
+# 9. Regions across threads and generators -------------------------------------------
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+def test_a_region_in_a_generator_resumed_on_another_thread():
+    model = mlp()
+    results = []
+
+    def gen():
+        with torch.no_grad(), autograph.capture_region():
+            for _ in range(4):
+                x = torch.randn(2, 4)
+                results.append((x, model(x)))
+                yield 1
+            yield 2
+
+    errors = []
+    it = gen()
+    next(it)
+    next(it)  # part on the main thread
+
+    def rest():
+        try:
+            for _ in it:
+                pass
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=rest)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert nn.Module.__call__ is ORIGINAL_CALL
+    with torch.no_grad():
+        for x, out in results:
+            torch.testing.assert_close(out, model(x))
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(model(x), model.forward(x))
+
+
+def test_a_region_in_a_generator_closed_on_another_thread():
+    model = mlp()
+
+    def gen():
+        with torch.no_grad(), autograph.capture_region():
+            while True:
+                yield model(torch.randn(2, 4))
+
+    it = gen()
+    for _ in range(3):
+        next(it)
+    errors = []
+
+    def close():
+        try:
+            it.close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join()
+    assert not errors, errors
+    assert nn.Module.__call__ is ORIGINAL_CALL
+
+
+def test_regions_on_four_threads_count_only_their_own_calls():
+    torch.manual_seed(0)
+    model = mlp()
+    regions, errors, pairs = {}, [], []
+    start = threading.Barrier(4)
+
+    def worker(k):
+        gen = torch.Generator().manual_seed(k)
+        try:
+            start.wait()
+            with torch.no_grad(), autograph.capture_region() as region:
+                regions[k] = region
+                for _ in range(20):
+                    x = torch.randn(3, 4, generator=gen)
+                    pairs.append((x, model(x)))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert nn.Module.__call__ is ORIGINAL_CALL
+    for region in regions.values():
+        s = one(region.stats())
+        assert s["calls"] == 20, s
+        assert s["replays"] <= s["calls"], s
+        assert s["calls"] == s["replays"] + s["captures"] + s["eager"], s
+    total = counts(model)
+    assert total["calls"] == 80 and total["replays"] > 0
+    with torch.no_grad():
+        for x, out in pairs:
+            torch.testing.assert_close(out, model(x))
+
+
+# 10. Smaller ------------------------------------------------------------------------
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n += 1  # in place, then the same tensor assigned back to the buffer
+        return self.fc(x) * self.n
+
+
+def test_a_forward_reassigning_its_buffer_after_an_in_place_add_is_graphed():
+    torch.manual_seed(0)
+    m = Counter().eval()
+    ref = copy.deepcopy(m)
+    g = autograph.graphed(m)
+    n = m.n
+    with torch.no_grad():
+        for step in range(2 * CALLS):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), ref(x))
+            assert m.n.item() == ref.n.item() == step + 1
+    assert m.n is n
+    replayed(g)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_spectral_norm_equals_eager(mode):
+    torch.manual_seed(0)
+    m = nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6)).train(mode == "train")
+    ref = copy.deepcopy(m)
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(2 * CALLS):
+            x = torch.randn(3, 6)
+            torch.testing.assert_close(g(x), ref(x))
+            for (name, a), (_, e) in zip(m.state_dict().items(), ref.state_dict().items()):
+                torch.testing.assert_close(a, e, msg=name)
+    if mode == "eval":
+        replayed(g)
+    else:
+        counts(g)
+
+
+# Verified replays (graphed(..., verify_every=N), AUTOGRAPH_VERIFY_EVERY) -------------
+
+needs_verify = pytest.mark.skipif(
+    "verify_every" not in inspect.signature(autograph.graphed).parameters,
+    reason="graphed(verify_every=) is not there yet")
+
+
+@needs_verify
+def test_verify_every_replay_catches_a_stale_graph_and_runs_eagerly_after(caplog):
+    cfg = types.SimpleNamespace(k=2.0)  # a plain attribute: not guarded
+
+    def f(x):
+        return x * cfg.k
+
+    g = autograph.graphed(f, verify_every=1)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autograph"):
+        for _ in range(CALLS):
+            x = torch.randn(5)
+            torch.testing.assert_close(g(x), f(x))
+        before = counts(g)
+        assert before["replays"] > 0 and before["verify_failures"] == 0
+        assert before["verifications"] == before["replays"]
+        cfg.k = 3.0  # the graph is now stale
+        g(torch.randn(5))  # the verification of this replay finds the mismatch
+        for _ in range(CALLS):
+            x = torch.randn(5)
+            torch.testing.assert_close(g(x), f(x))
+    s = counts(g)
+    assert s["verify_failures"] >= 1
+    assert s["verifications"] >= before["verifications"] + 1
+    assert s["replays"] == before["replays"] + 1  # the key runs eagerly from then on
+    assert any(r.levelno == logging.WARNING for r in caplog.records)
+
+
+@needs_verify
+def test_verify_every_n_checks_every_nth_replay():
+    def f(x):
+        return x.exp() - 1
+
+    g = autograph.graphed(f, verify_every=3)
+    with torch.no_grad():
+        for _ in range(2 + 1 + 12):  # two warmups, the capture, 12 replays
+            x = torch.randn(5)
+            torch.testing.assert_close(g(x), f(x))
+    s = counts(g)
+    assert s["replays"] == 12 and s["verify_failures"] == 0
+    assert s["verifications"] == 4
+
+
+@needs_verify
+def test_verify_runs_on_copies_and_leaves_written_arguments_as_eager():
+    def step(cache, pos, value):
+        cache.index_copy_(0, pos, value)
+        return cache.sum(0) * 2
+
+    g = autograph.graphed(step, verify_every=1)
+    cache, ref = torch.randn(16, 4), None
+    ref = cache.clone()
+    with torch.no_grad():
+        for i in range(12):
+            pos, value = torch.tensor([i]), torch.randn(1, 4)
+            torch.testing.assert_close(g(cache, pos, value), step(ref, pos, value))
+            torch.testing.assert_close(cache, ref)
+    s = counts(g)
+    assert s["replays"] > 0 and s["verify_failures"] == 0 and s["verifications"] > 0
+
+
+@needs_verify
+def test_verify_every_from_the_environment(monkeypatch):
+    monkeypatch.setenv("AUTOGRAPH_VERIFY_EVERY", "1")
+    cfg = types.SimpleNamespace(k=2.0)
+
+    def f(x):
+        return x + cfg.k
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            g(torch.randn(5))
+        cfg.k = -1.0
+        g(torch.randn(5))
+        for _ in range(CALLS):
+            x = torch.randn(5)
+            torch.testing.assert_close(g(x), f(x))
+    s = counts(g)
+    assert s["verify_failures"] >= 1 and s["verifications"] >= 1

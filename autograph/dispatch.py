@@ -262,6 +262,7 @@ class Engine:
             return result
         if captured.hidden:
             self.watch.guard_hidden(captured.hidden)
+            captured.hidden = []  # guarded by weak reference: the graph must not keep them
         entry.graph = captured
         run = captured.runner()
         if self.options.min_speedup is not None:

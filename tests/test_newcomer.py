@@ -225,3 +225,73 @@ def test_save_plan_into_a_missing_folder_names_the_path(tmp_path):
         autograph.save_plan(path)
     assert ".autograph-plan-" not in str(info.value)
     assert "does not exist" in str(info.value)
+
+
+# -- types -------------------------------------------------------------------------------
+TYPED_USAGE = '''
+import torch
+from torch import nn
+
+import autograph
+
+
+@autograph.graphed
+def step(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@autograph.graphed(warmup=1)
+def scale(x: torch.Tensor, k: float = 2.0) -> torch.Tensor:
+    return x * k
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    @autograph.graphed
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+y: torch.Tensor = step(torch.ones(2))
+step.reset()
+scale(torch.ones(2), k=3.0).sum()
+scale.reset()
+net = Net()
+net.forward(torch.ones(1, 4)).relu()
+Net.forward.reset()
+autograph.reset(net.forward)
+model: nn.Linear = autograph.graphed(nn.Linear(2, 2))
+bound = autograph.graphed(model.forward)
+bound(torch.ones(2)).relu()
+bound.reset()
+'''
+
+
+def test_graphed_is_typed_with_reset(tmp_path):
+    """The README's ``step.reset()`` type-checks, and a wrong call is caught."""
+    api = pytest.importorskip("mypy.api")
+    import os
+
+    import autograph as package
+
+    (tmp_path / "good.py").write_text(TYPED_USAGE)
+    (tmp_path / "bad.py").write_text(TYPED_USAGE + "step('no')\nstep.nosuch()\n")
+    root = os.path.dirname(os.path.dirname(package.__file__))
+    env_before = os.environ.get("MYPYPATH")
+    os.environ["MYPYPATH"] = root  # this checkout, whatever is installed
+    try:
+        out, err, status = api.run([str(tmp_path / "good.py"), str(tmp_path / "bad.py"),
+                                    "--cache-dir", str(tmp_path / "cache"),
+                                    "--python-version", "3.11", "--no-error-summary"])
+    finally:
+        if env_before is None:
+            del os.environ["MYPYPATH"]
+        else:
+            os.environ["MYPYPATH"] = env_before
+    errors = [line for line in out.splitlines() if ": error:" in line]
+    assert not [e for e in errors if "good.py" in e], out
+    bad = [e for e in errors if "bad.py" in e]
+    assert len(bad) == 2 and "incompatible type" in bad[0] and "nosuch" in bad[1], out

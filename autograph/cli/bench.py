@@ -269,7 +269,7 @@ def plot(results: list[Result], path: str, title: str) -> None:
         import matplotlib
     except ImportError:
         raise SystemExit("autograph bench: --plot needs matplotlib "
-                         "(pip install 'torch-autograph[plot]')") from None
+                         "(pip install matplotlib: the 'plot' extra of torch-autograph)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker

@@ -208,8 +208,12 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
         return self.__reduce_ex__(2)
 
     def reset(self) -> None:
-        """Drop the graphs of this instance's method."""
-        reset(self)
+        """Drop the graphs of this instance's method (of every instance, looked up on the
+        class)."""
+        if self._self_instance is None:
+            self._self_parent.reset()
+        else:
+            reset(self)
 
     @property
     def __func__(self) -> Any:  # as for a method: what the class holds, the graphed function
@@ -421,7 +425,7 @@ def _bound_engine(obj: Any, make: bool) -> Engine | None:
     """The engine of a graphed function bound to an instance: ``model.forward`` where
     forward is decorated, or ``graphed(lin.forward)``; made now if ``make``."""
     parent = _graphed_parent(obj)
-    if parent is not None:
+    if parent is not None and obj._self_instance is not None:
         dispatch, instance = parent._self_dispatch, obj._self_instance
     elif isinstance(obj, GraphedFunction) and obj._self_dispatch.bound:
         dispatch, instance = obj._self_dispatch, _bound_self(obj.__wrapped__)
@@ -447,7 +451,10 @@ def _is_graphed(obj: Any) -> bool:
 def _engines_of(obj: Any) -> list[Engine]:
     if isinstance(obj, GraphedModule):
         return [obj._self_engine]
-    if _graphed_parent(obj) is not None:
+    parent = _graphed_parent(obj)
+    if parent is not None:
+        if obj._self_instance is None:  # looked up on the class: every instance's
+            return parent._self_dispatch.engines()
         engine = _bound_engine(obj, make=False)
         return [engine] if engine is not None else []
     if isinstance(obj, GraphedFunction):
@@ -504,8 +511,10 @@ def stats_of(obj: Any) -> dict[str, Any]:
                 merged = total.setdefault(k, {})
                 for r, n in v.items():
                     merged[r] = merged.get(r, 0) + n
-            else:
+            elif isinstance(v, (int, float)):
                 total[k] = total.get(k, 0) + v
+            elif total.get(k) is None:  # a note such as "padding": the first one given
+                total[k] = v
     return total
 
 

@@ -22,7 +22,7 @@ def plus_one(x, y=None):
     return x + 1
 
 
-class Net(nn.Module):
+class NewcomerNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
@@ -76,8 +76,9 @@ def test_bound_method_options_are_checked_against_its_signature():
 
 # -- what cannot be graphed -------------------------------------------------------------
 def test_a_class_is_refused_with_what_to_do():
-    with pytest.raises(TypeError, match=r"cannot graph a class \(Net\).*graphed\(Net\(\.\.\.\)\)"):
-        autograph.graphed(Net)
+    pattern = r"cannot graph a class \(NewcomerNet\).*graphed\(NewcomerNet\(\.\.\.\)\)"
+    with pytest.raises(TypeError, match=pattern):
+        autograph.graphed(NewcomerNet)
     with pytest.raises(TypeError, match="cannot graph a class"):
         autograph.graphed(warmup=1)(Scaler)
 
@@ -101,8 +102,8 @@ def test_generator_and_async_functions_are_refused():
 
 
 def test_module_whose_forward_is_decorated_is_refused():
-    net = Net()
-    with pytest.raises(TypeError, match="Net.forward is already decorated"):
+    net = NewcomerNet()
+    with pytest.raises(TypeError, match="NewcomerNet.forward is already decorated"):
         autograph.graphed(net)
     with pytest.raises(TypeError, match="already graphed"):
         autograph.graphed(net.forward)
@@ -142,7 +143,7 @@ def test_graphed_bound_method_deep_copies_its_instance():
 
 
 def test_module_with_decorated_forward_and_its_bound_forward_pickle():
-    net = Net()
+    net = NewcomerNet()
     p = pickle.loads(pickle.dumps(net))
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -157,7 +158,7 @@ def test_torch_jit_script_says_what_to_do():
     lin = nn.Linear(2, 2)
     for obj, what in ((autograph.graphed(lin), "module"),
                       (autograph.graphed(plus_one), "function"),
-                      (Net(), "forward")):
+                      (NewcomerNet(), "forward")):
         with pytest.raises(TypeError, match=f"cannot script a graphed {what}.*__wrapped__"):
             torch.jit.script(obj)
     torch.jit.script(lin)  # the original still scripts
@@ -165,7 +166,7 @@ def test_torch_jit_script_says_what_to_do():
 
 # -- stats, reset and report of a decorated forward --------------------------------------
 def test_stats_reset_report_accept_a_bound_decorated_forward(capsys):
-    net, other = Net(), Net()
+    net, other = NewcomerNet(), NewcomerNet()
     assert autograph.stats(net.forward)["calls"] == 0  # not called yet
     x = torch.randn(2, 4)
     with torch.no_grad():
@@ -176,12 +177,18 @@ def test_stats_reset_report_accept_a_bound_decorated_forward(capsys):
     assert (s["calls"], s["captures"], s["replays"]) == (3, 1, 2)
     assert autograph.stats(net.forward) == autograph.stats(net)
     autograph.report(net.forward)
-    assert "Net.forward" in capsys.readouterr().out
+    assert "NewcomerNet.forward" in capsys.readouterr().out
     autograph.reset(net.forward)
     assert autograph.stats(net.forward)["graphs"] == 0
     assert autograph.stats(other.forward)["graphs"] == 1  # only that instance's graphs
     other.forward.reset()
     assert autograph.stats(other)["graphs"] == 0
+    with torch.no_grad():
+        net(x)
+        other(x)
+    assert autograph.stats(NewcomerNet.forward)["graphs"] == 2  # on the class: every instance's
+    NewcomerNet.forward.reset()
+    assert autograph.stats(net)["graphs"] == autograph.stats(other)["graphs"] == 0
 
 
 # -- options -----------------------------------------------------------------------------
@@ -245,7 +252,7 @@ def scale(x: torch.Tensor, k: float = 2.0) -> torch.Tensor:
     return x * k
 
 
-class Net(nn.Module):
+class NewcomerNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
@@ -259,9 +266,9 @@ y: torch.Tensor = step(torch.ones(2))
 step.reset()
 scale(torch.ones(2), k=3.0).sum()
 scale.reset()
-net = Net()
+net = NewcomerNet()
 net.forward(torch.ones(1, 4)).relu()
-Net.forward.reset()
+NewcomerNet.forward.reset()
 autograph.reset(net.forward)
 model: nn.Linear = autograph.graphed(nn.Linear(2, 2))
 bound = autograph.graphed(model.forward)

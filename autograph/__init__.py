@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TextIO, TypeVar, overload
+from typing import Any, Concatenate, ParamSpec, Protocol, TextIO, TypeVar, overload
+
+from torch import nn
 
 from . import stats as _stats
 from .options import Options
@@ -33,12 +35,45 @@ __all__ = [
     "register_prometheus", "report", "reset", "save_plan", "stats", "warmup",
 ]
 
-F = TypeVar("F")
+P = ParamSpec("P")
+Q = ParamSpec("Q")
+R = TypeVar("R", covariant=True)
+S = TypeVar("S")
+M = TypeVar("M", bound=nn.Module)
+
+
+class Graphed(Protocol[P, R]):
+    """What :func:`graphed` returns for a function or method: called like the original
+    (the same parameters and return type), plus :meth:`reset`."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+
+    def reset(self) -> None:
+        """Drop every graph of this callable."""
+
+    # A method decorated in a class body: looked up on the class it is this object; on an
+    # instance its first parameter is bound, as for a function.  The bound method is
+    # typed as a plain callable so that it can override ``nn.Module.forward`` (mypy
+    # accepts only callables there); ``autograph.reset(model.forward)`` resets it.
+    @overload
+    def __get__(self, instance: None, owner: type, /) -> Graphed[P, R]: ...
+    @overload
+    def __get__(self: Graphed[Concatenate[S, Q], R], instance: S,
+                owner: type | None = None, /) -> Callable[Q, R]: ...
+
+
+class _Decorator(Protocol):
+    """``graphed(**options)``: decorates a function or method, or wraps a module."""
+
+    @overload
+    def __call__(self, obj: M, /) -> M: ...  # type: ignore[overload-overlap]
+    @overload
+    def __call__(self, obj: Callable[P, R], /) -> Graphed[P, R]: ...
 
 
 @overload
-def graphed(
-    obj: F,
+def graphed(  # type: ignore[overload-overlap]  # a module is callable: it keeps its type
+    obj: M,
     /,
     *,
     warmup: int = 2,
@@ -49,7 +84,21 @@ def graphed(
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
-) -> F: ...
+) -> M: ...
+@overload
+def graphed(
+    obj: Callable[P, R],
+    /,
+    *,
+    warmup: int = 2,
+    max_graphs: int = 32,
+    max_graph_memory: int | None = None,
+    buckets: Sequence[int] | None = None,
+    batch_dims: Mapping[str | int, int | None] | None = None,
+    pad_values: Mapping[str | int, Any] | None = None,
+    min_speedup: float | None = None,
+    group: Any = None,
+) -> Graphed[P, R]: ...
 @overload
 def graphed(
     *,
@@ -61,7 +110,7 @@ def graphed(
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
-) -> Callable[[F], F]: ...
+) -> _Decorator: ...
 
 
 def graphed(

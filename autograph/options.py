@@ -31,8 +31,8 @@ class Options:
     pad_values: per argument (name or position), the value padded rows are filled with
         (default 0).
     min_speedup: keep a graph only if its replays are at least this many times faster
-        than eager, timed on the key's warmup runs and its first replays (wall clock,
-        synchronized).  None: keep every graph.
+        than eager (a number >= 1), timed on the key's warmup runs and its first replays
+        (wall clock, synchronized).  None: keep every graph.
     group: a ``torch.distributed`` process group whose ranks make the same calls: each
         call is agreed across them (see ``ranks``).  None: no agreement.
     """
@@ -69,8 +69,11 @@ class Options:
         if self.min_speedup is not None:
             speedup = self.min_speedup
             if isinstance(speedup, bool) or not isinstance(speedup, (int, float)) \
-                    or not speedup > 0:
-                raise ValueError(f"autograph: min_speedup must be a number > 0, got {speedup!r}")
+                    or not speedup >= 1:
+                raise ValueError(
+                    f"autograph: min_speedup must be >= 1, got {speedup!r}: it is how many "
+                    f"times faster than eager a graph must replay to be kept, and a value "
+                    f"below 1 would keep graphs slower than eager (None keeps every graph)")
             if self.warmup < 1:
                 raise ValueError("autograph: min_speedup needs warmup >= 1 (eager runs are "
                                  "what the graph is timed against)")

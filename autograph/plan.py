@@ -12,6 +12,7 @@ contents).  A plan from another model, GPU, driver or version is never trusted:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -98,7 +99,15 @@ def save(path: str | os.PathLike[str], callables: dict[str, Any]) -> None:
                 "callables": callables}
     text = json.dumps(document, indent=1, sort_keys=True)
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".autograph-plan-", dir=folder)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(
+            errno.ENOENT, f"autograph: cannot save the plan to {os.fspath(path)!r}: its folder "
+            f"{folder!r} does not exist", os.fspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".autograph-plan-", dir=folder)
+    except OSError as exc:
+        raise type(exc)(exc.errno, f"autograph: cannot save the plan to {os.fspath(path)!r}: "
+                        f"{exc.strerror}", os.fspath(path)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

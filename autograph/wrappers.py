@@ -9,6 +9,7 @@ takes its graphs with it.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import threading
 import weakref
@@ -20,7 +21,14 @@ from torch import nn
 
 from . import stats as _stats
 from .dispatch import Engine
-from .engines import Handle, live_engines, live_handles, make_engine, make_module_engine
+from .engines import (
+    Handle,
+    check_argument_keys,
+    live_engines,
+    live_handles,
+    make_engine,
+    make_module_engine,
+)
 from .options import Options
 from .region import nested
 
@@ -33,6 +41,11 @@ class _Dispatch:
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
         self.fn = fn
         self.options = options
+        # a bound method (``graphed(lin.forward)``): wrapt calls with ``instance`` set to
+        # its ``__self__``, whose engine it is; the call passes the instance once, to the
+        # underlying function, and a module's parameters are watched as for a forward
+        self.bound = _bound_self(fn) is not None
+        self.func: Callable[..., Any] = fn.__func__ if self.bound else fn  # type: ignore
         self.handle: Handle | None = None
         self.instances: dict[int, tuple[weakref.ref[Any], Handle]] = {}
         self.lock = threading.Lock()
@@ -69,7 +82,7 @@ class _Dispatch:
                 item[1].engine.watch.close()
 
         ref = weakref.ref(instance, forget)
-        fn = self.fn
+        fn = self.func
 
         def call(*args: Any, **kwargs: Any) -> Any:
             return fn(ref(), *args, **kwargs)
@@ -91,10 +104,43 @@ class _Dispatch:
         return out + ([self.handle.engine] if self.handle is not None else [])
 
 
+def _bound_self(fn: Any) -> Any:
+    """The instance of a bound method (not of a classmethod bound to its class), or None."""
+    if inspect.ismethod(fn) and not isinstance(fn.__self__, type):
+        return fn.__self__
+    return None
+
+
+class BoundGraphedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
+    """A graphed method bound to an instance (``model.forward``) or looked up on its
+    class: it pickles and copies as a bound method does, by instance and name."""
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        instance = self._self_instance
+        owner = instance if instance is not None else self._self_owner
+        return (getattr, (owner, self.__wrapped__.__name__))
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def reset(self) -> None:
+        """Drop the graphs of this instance's method (of every instance, looked up on the
+        class)."""
+        if self._self_instance is None:
+            self._self_parent.reset()
+        else:
+            reset(self)
+
+    @property
+    def __func__(self) -> Any:  # as for a method: what the class holds, the graphed function
+        return self._self_parent
+
+
 class GraphedFunction(wrapt.FunctionWrapper):  # type: ignore[misc]
     """A function or method whose calls run through autograph."""
 
     _autograph_graphed = True  # what regions look for on a decorated forward
+    __bound_function_wrapper__ = BoundGraphedFunction
 
     def __init__(self, fn: Callable[..., Any], options: Options) -> None:
         dispatch = _Dispatch(fn, options)
@@ -105,6 +151,59 @@ class GraphedFunction(wrapt.FunctionWrapper):  # type: ignore[misc]
         """Drop every graph of this function (of every instance, for a method)."""
         for engine in self._self_dispatch.engines():
             engine.reset()
+
+    # -- copies and pickles behave as the original function's ---------------------------
+    def __copy__(self) -> GraphedFunction:
+        return self  # like a function: a copy is the function itself (and its graphs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedFunction:
+        wrapped = copy.deepcopy(self.__wrapped__, memo)  # a bound method copies its self
+        if wrapped is self.__wrapped__:
+            return self
+        return GraphedFunction(wrapped, self._self_dispatch.options)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        if _importable_as(self, self.__wrapped__):
+            return self.__wrapped__.__qualname__  # decorated at module level: by reference
+        return (_rewrap_function, (self.__wrapped__, self._self_dispatch.options))
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(2)
+
+    def __prepare_scriptable__(self) -> Any:
+        raise TypeError(_SCRIPT_ERROR.format(what="function"))
+
+    @property
+    def _torchscript_modifier(self) -> Any:
+        # read by torch.jit.script, and only there, on a module whose forward is decorated
+        raise TypeError(_SCRIPT_ERROR.format(what="forward (decorated with @autograph.graphed)"))
+
+
+_SCRIPT_ERROR = (
+    "autograph: torch.jit.script cannot script a graphed {what}: autograph captures and "
+    "replays CUDA graphs in Python, which TorchScript cannot compile. Script the original "
+    "(`wrapper.__wrapped__`, or the module without the decorator), which then runs without "
+    "autograph; see docs/compatibility.md (torch.jit.script, torch.compile, torch.export)."
+)
+
+
+def _importable_as(obj: Any, original: Any) -> bool:
+    """True if ``obj`` is what its module and qualified name look up (pickle by name)."""
+    module_name = getattr(original, "__module__", None)
+    qualname = getattr(original, "__qualname__", None)
+    if not module_name or not qualname or "<locals>" in qualname:
+        return False
+    try:  # as pickle looks it up
+        found: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return False
+    return found is obj
+
+
+def _rewrap_function(fn: Callable[..., Any], options: Options) -> GraphedFunction:
+    return GraphedFunction(fn, options)
 
 
 _RETURNS_SELF = (
@@ -148,6 +247,9 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
     def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         return (_rewrap, (self.__wrapped__, self._self_options))
 
+    def __prepare_scriptable__(self) -> Any:
+        raise TypeError(_SCRIPT_ERROR.format(what="module"))
+
 
 def _returns_self(name: str) -> Callable[..., Any]:
     def method(self: GraphedModule, *args: Any, **kwargs: Any) -> Any:
@@ -167,13 +269,55 @@ def _rewrap(module: nn.Module, options: Options) -> GraphedModule:
     return GraphedModule(module, options)
 
 
+def _graphed_parent(obj: Any) -> GraphedFunction | None:
+    """The graphed function behind ``obj`` if it is one bound to an instance
+    (``model.forward`` where ``forward`` is decorated), else None."""
+    if isinstance(obj, BoundGraphedFunction):
+        return obj._self_parent  # type: ignore[no-any-return]
+    return None
+
+
+def _refuse(obj: Any) -> None:
+    """A clear ``TypeError`` for what ``graphed`` cannot graph."""
+    if isinstance(obj, (GraphedModule, GraphedFunction)) or _graphed_parent(obj) is not None:
+        raise TypeError("autograph.graphed: this object is already graphed")
+    if inspect.isclass(obj):
+        hint = (f"wrap an instance, `autograph.graphed({obj.__name__}(...))`, or decorate "
+                f"its forward in the class body" if issubclass(obj, nn.Module) else
+                "decorate the method that does the tensor work, or wrap an instance's "
+                "bound method (`autograph.graphed(obj.method)`)")
+        raise TypeError(f"autograph.graphed cannot graph a class ({obj.__qualname__}): it "
+                        f"would wrap the constructor, not the instances' calls; {hint}")
+    if isinstance(obj, nn.Module):
+        forward = inspect.getattr_static(type(obj), "forward", None)
+        if isinstance(forward, GraphedFunction):
+            raise TypeError(
+                f"autograph.graphed: {type(obj).__qualname__}.forward is already decorated "
+                f"with @autograph.graphed, so calls of this module are graphed already (with "
+                f"the decorator's options); call the module as it is, or remove the "
+                f"decorator to wrap the instance with other options")
+    fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    kind = ("an async generator function" if inspect.isasyncgenfunction(fn) else
+            "a generator function" if inspect.isgeneratorfunction(fn) else
+            "an async function" if inspect.iscoroutinefunction(fn) else None)
+    if kind is not None:
+        raise TypeError(
+            f"autograph.graphed cannot graph {kind} ({getattr(fn, '__qualname__', fn)!r}): "
+            f"its body runs after the call returns, outside any graph; graph the ordinary "
+            f"function that each step calls, and call that from the "
+            f"{'generator' if 'generator' in kind else 'coroutine'}")
+
+
 def wrap(obj: Any, options: Options) -> Any:
     """``graphed(obj)``: a module instance gets a proxy, a callable a function wrapper."""
-    if isinstance(obj, (GraphedModule, GraphedFunction)):
-        raise TypeError("autograph.graphed: this object is already graphed")
+    _refuse(obj)
     if isinstance(obj, nn.Module):
         return GraphedModule(obj, options)
     if isinstance(obj, (staticmethod, classmethod)) or callable(obj):
+        fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+        # a function defined in a class body takes self first (a method); a bound
+        # method's signature has no self
+        check_argument_keys(options, fn, skip_self=_takes_self(fn, obj))
         return GraphedFunction(obj, options)
     raise TypeError(
         f"autograph.graphed expects a function, a method or an nn.Module instance, "
@@ -181,9 +325,49 @@ def wrap(obj: Any, options: Options) -> Any:
     )
 
 
+def _takes_self(fn: Any, obj: Any) -> bool:
+    if isinstance(obj, staticmethod) or _bound_self(fn) is not None:
+        return False
+    if isinstance(obj, classmethod):
+        return True
+    try:
+        first = next(iter(inspect.signature(fn).parameters), None)
+    except (TypeError, ValueError):
+        return False
+    return first in ("self", "cls")
+
+
+def _bound_handle(obj: Any, make: bool) -> Handle | None:
+    """The handle of a graphed function bound to an instance: ``model.forward`` where
+    forward is decorated, or ``graphed(lin.forward)``; made now if ``make``."""
+    parent = _graphed_parent(obj)
+    if parent is not None and obj._self_instance is not None:
+        dispatch, instance = parent._self_dispatch, obj._self_instance
+    elif isinstance(obj, GraphedFunction) and obj._self_dispatch.bound:
+        dispatch, instance = obj._self_dispatch, _bound_self(obj.__wrapped__)
+    else:
+        return None
+    item = dispatch.instances.get(id(instance))
+    if item is None or item[0]() is not instance:
+        if not make:
+            return None
+        item = dispatch._instance_engine(instance)
+    return item[1]
+
+
+def _is_graphed(obj: Any) -> bool:
+    return isinstance(obj, GraphedFunction) or _graphed_parent(obj) is not None
+
+
 def _engines_of(obj: Any) -> list[Engine]:
     if isinstance(obj, GraphedModule):
         return [obj._self_engine]
+    parent = _graphed_parent(obj)
+    if parent is not None:
+        if obj._self_instance is None:  # looked up on the class: every instance's
+            return parent._self_dispatch.engines()
+        handle = _bound_handle(obj, make=False)
+        return [handle.engine] if handle is not None else []
     if isinstance(obj, GraphedFunction):
         return obj._self_dispatch.engines()
     return [e for e in live_engines() if any(r is obj for r in e.watch.roots())]
@@ -194,6 +378,9 @@ def handle_of(obj: Any) -> Handle:
     (a graphed function, a wrapper, or a module whose forward is graphed)."""
     if isinstance(obj, GraphedModule):
         return obj._self_handle  # type: ignore[no-any-return]
+    bound = _bound_handle(obj, make=True)
+    if bound is not None:
+        return bound
     if isinstance(obj, GraphedFunction):
         dispatch = obj._self_dispatch
         return dispatch.handle or dispatch._function_engine(obj.__wrapped__)
@@ -223,7 +410,7 @@ def stats_of(obj: Any) -> dict[str, Any]:
     """The counters of one graphed object (summed over instances for a method)."""
     engines = _engines_of(obj)
     if not engines:
-        if isinstance(obj, GraphedFunction):  # not called yet
+        if _is_graphed(obj):  # not called yet
             return _stats.Stats("").snapshot()
         raise TypeError(f"autograph.stats: {type(obj).__qualname__} is not graphed")
     if len(engines) == 1:
@@ -235,8 +422,10 @@ def stats_of(obj: Any) -> dict[str, Any]:
                 merged = total.setdefault(k, {})
                 for r, n in v.items():
                     merged[r] = merged.get(r, 0) + n
-            else:
+            elif isinstance(v, (int, float)):
                 total[k] = total.get(k, 0) + v
+            elif total.get(k) is None:  # a note such as "padding": the first one given
+                total[k] = v
     return total
 
 
@@ -248,7 +437,7 @@ def reset(obj: Any = None) -> None:
             engine.reset()
         return
     engines = _engines_of(obj)
-    if not engines and not isinstance(obj, GraphedFunction):
+    if not engines and not _is_graphed(obj):
         raise TypeError(f"autograph.reset: {type(obj).__qualname__} is not graphed")
     for engine in engines:
         engine.reset()

@@ -37,6 +37,17 @@ def timed(fn):
     return out, time.perf_counter() - start
 
 
+def replays_of(region):
+    return sum(s["replays"] for s in region.stats().values())
+
+
+def speedup(eager_s, graphed_s, replays):
+    """The ratio, or why there is none: without replayed graphs both runs were eager."""
+    if not replays:
+        return "no speedup to report: nothing was graphed here, both runs were eager"
+    return f"{eager_s / graphed_s:.1f}x"
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=12)
@@ -53,7 +64,7 @@ def main():
     fast, t_fast = timed(lambda: decode(model, prompt, args.steps, region))
     n = prompt.shape[1] + args.steps - 1
     print(f"device {device}: eager {t_eager / n * 1e3:.2f} ms/step, region "
-          f"{t_fast / n * 1e3:.2f} ms/step ({t_eager / t_fast:.1f}x), "
+          f"{t_fast / n * 1e3:.2f} ms/step ({speedup(t_eager, t_fast, replays_of(region))}), "
           f"tokens identical: {torch.equal(eager, fast)}")
     print(region.stats())
     if not torch.equal(eager, fast):

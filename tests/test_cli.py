@@ -1,5 +1,7 @@
 """The command line: bench and doctor on a machine without CUDA, and the bench's tables."""
 
+import json
+
 import pytest
 import torch
 
@@ -29,7 +31,46 @@ def test_doctor_reports_the_kill_switch(capsys, monkeypatch):
 
 def test_unknown_command_is_an_error(capsys):
     assert main(["nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'nope'" in err and "bench" in err and "doctor" in err
     assert main([]) == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def test_bench_json_without_cuda_is_valid_json(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)  # standard output is the JSON alone
+    assert data["cuda"] is False and "no CUDA device" in data["reason"]
+    assert data["results"] == [] and "torch" in data["environment"]
+    assert "no CUDA device" in captured.err
+    path = tmp_path / "out.json"
+    assert main(["bench", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["cuda"] is False
+
+
+@pytest.mark.parametrize("args", [["--iters", "-5"], ["--batch", "0"], ["--rounds", "0"],
+                                  ["--batch", "1", "x"], ["--width", "100", "--heads", "12"]])
+def test_bench_rejects_bad_numbers(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "at least 1" in err or "not an integer" in err or "multiple" in err
+
+
+def test_help_shows_defaults_and_doctor_help_does_not_run_doctor(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "(default 200" in out and "(default 15)" in out
+    with pytest.raises(SystemExit) as info:
+        main(["doctor", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: python -m autograph doctor" in out and "plan fingerprint:" not in out
 
 
 RESULTS = [

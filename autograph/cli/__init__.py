@@ -15,10 +15,16 @@ def main(argv: list[str] | None = None) -> int:
         "doctor": "will autograph work here? versions, GPU, kill switch, a tiny capture",
     }
     if not argv or argv[0] not in commands:
-        print("usage: python -m autograph COMMAND [options]\n\ncommands:")
+        asked = not argv or argv[0] in ("-h", "--help")
+        out = sys.stdout if asked else sys.stderr
+        if not asked:
+            print(f"python -m autograph: unknown command {argv[0]!r} "
+                  f"(choose from {', '.join(commands)})\n", file=out)
+        print("usage: python -m autograph COMMAND [options]\n\ncommands:", file=out)
         for name, text in commands.items():
-            print(f"  {name:<8} {text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+            print(f"  {name:<8} {text}", file=out)
+        print("\n'python -m autograph COMMAND --help' describes a command's options.", file=out)
+        return 0 if asked else 2
     if argv[0] == "doctor":
         from . import doctor
 

@@ -269,7 +269,7 @@ def plot(results: list[Result], path: str, title: str) -> None:
         import matplotlib
     except ImportError:
         raise SystemExit("autograph bench: --plot needs matplotlib "
-                         "(pip install 'autograph[plot]')") from None
+                         "(pip install matplotlib: the 'plot' extra of torch-autograph)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
@@ -294,16 +294,36 @@ def plot(results: list[Result], path: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+NO_CUDA = ("no CUDA device here, nothing to measure (autograph runs every call eagerly "
+           "without CUDA)")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autograph bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=200, help="steps per timed sample")
-    parser.add_argument("--rounds", type=int, default=15, help="timed samples per method")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8],
+    parser.add_argument("--iters", type=positive_int, default=200,
+                        help="steps per timed sample (default 200; the MLP takes 5x as many)")
+    parser.add_argument("--rounds", type=positive_int, default=15,
+                        help="timed samples per method (default 15)")
+    parser.add_argument("--batch", type=positive_int, nargs="+", default=[1, 8],
                         help="decode batch sizes (default: 1 8)")
-    parser.add_argument("--layers", type=int, default=12, help="decoder layers (default 12)")
-    parser.add_argument("--width", type=int, default=768, help="decoder width (default 768)")
-    parser.add_argument("--heads", type=int, default=12, help="attention heads (default 12)")
+    parser.add_argument("--layers", type=positive_int, default=12,
+                        help="decoder layers (default 12)")
+    parser.add_argument("--width", type=positive_int, default=768,
+                        help="decoder width (default 768)")
+    parser.add_argument("--heads", type=positive_int, default=12,
+                        help="attention heads (default 12)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp16",
                         help="decoder dtype (default fp16; the MLP is fp32)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
@@ -316,13 +336,20 @@ def main(argv: list[str] | None = None) -> int:
                         "for each method (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("autograph bench: no CUDA device here, nothing to measure "
-              "(autograph runs every call eagerly without CUDA).")
-        return 0
-    methods = ["eager"] + [m for m in args.methods if m != "eager"]  # eager is the reference
+    if args.width % args.heads:
+        parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     env = environment()
     to_stdout = args.json == "-"
+    if not torch.cuda.is_available():
+        # standard output carries the JSON alone with --json -; the sentence goes to stderr
+        print(f"autograph bench: {NO_CUDA}.", file=sys.stderr if to_stdout else sys.stdout)
+        if args.json:
+            write_json(args.json, {"cuda": False, "reason": NO_CUDA, "environment": env,
+                                   "options": vars(args), "results": [], "variable": []})
+        if args.plot:
+            print("autograph bench: --plot: nothing measured, nothing drawn", file=sys.stderr)
+        return 0
+    methods = ["eager"] + [m for m in args.methods if m != "eager"]  # eager is the reference
     def say(*text: str, flush: bool = False) -> None:
         if not to_stdout:  # with --json -, standard output carries the JSON alone
             print(*text, flush=flush)
@@ -341,16 +368,20 @@ def main(argv: list[str] | None = None) -> int:
         variable = bench_variable(rounds=args.rounds)
         say(format_variable(variable))
     if args.json:
-        payload = {"environment": env, "options": vars(args),
-                   "results": [asdict(r) for r in results],
-                   "variable": [asdict(r) for r in variable]}
-        text = json.dumps(payload, indent=2)
-        if to_stdout:
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(args.json, {"cuda": True, "environment": env, "options": vars(args),
+                               "results": [asdict(r) for r in results],
+                               "variable": [asdict(r) for r in variable]})
     if args.plot:
         plot(results, args.plot, f"autograph bench, {env['date']}: {env['gpu_name']} "
              f"({env['gpu_arch']}), torch {env['torch']}, CUDA {env['cuda_runtime']}")
     return 0
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    """``payload`` as JSON to ``path``, or to standard output for ``-``."""
+    text = json.dumps(payload, indent=2)
+    if path == "-":
+        print(text, flush=True)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")

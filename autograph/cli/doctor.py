@@ -7,6 +7,7 @@ and replay.  Exits 0 only when graphs will be captured and replayed here.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import sys
@@ -42,6 +43,12 @@ def check_capture() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m autograph doctor", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit status: 0 when graphs will be used here, 1 when every call will run "
+               "eagerly (and why)")
+    parser.parse_args(argv)
     rows = [
         ("autograph", __version__),
         ("torch", torch.__version__),

@@ -48,7 +48,7 @@ def test_decode_loop_with_in_place_cache_equals_eager():
             torch.testing.assert_close(cache[1], ref[1], **FP16)
     s = autograph.stats(g)
     assert s["captures"] == 1 and s["replays"] == 37
-    (entry,) = g._self_engine.entries.values()
+    (entry,) = g._self_engine.cache.entries.values()
     assert entry.static.positions == [0, 1]  # tokens and pos copied; caches never
 
 
@@ -173,7 +173,7 @@ def test_capture_errors_fall_back_cleanly(caplog):
                 torch.testing.assert_close(fn(x), ref(x))
             s = autograph.stats(fn)
             assert s["captures"] == 0, fn
-            assert any(r.startswith("capture failed") for r in s["eager_reasons"]), s
+            assert "capture_failed" in s["eager_reasons"], s
             assert not torch.cuda.is_current_stream_capturing()
     assert sum("capture failed" in r.getMessage() for r in caplog.records) == 4
     # random numbers still work (a failed capture can leave the generator capturing)
@@ -287,7 +287,7 @@ def test_inside_a_users_own_capture_runs_eagerly_into_it():
         static_x.copy_(torch.randn(2, 16, device="cuda"))
         graph.replay()
         torch.testing.assert_close(static_out, model(static_x))
-    assert "called while the current stream is capturing" in autograph.stats(g)["eager_reasons"]
+    assert "capturing" in autograph.stats(g)["eager_reasons"]
 
 
 def test_cpu_and_mixed_device_inputs_run_eagerly():
@@ -300,8 +300,8 @@ def test_cpu_and_mixed_device_inputs_run_eagerly():
         torch.testing.assert_close(f(a, a), a + a)
         torch.testing.assert_close(f(b, a), b + a.cuda())
     reasons = autograph.stats(f)["eager_reasons"]
-    assert "tensor arguments on several devices" in reasons
-    assert any(r.startswith("inputs on cpu") for r in reasons)
+    assert "several_devices" in reasons
+    assert "device" in reasons
 
 
 def test_autocast_and_inference_mode():
@@ -404,7 +404,8 @@ def test_out_of_memory_during_capture_falls_back():
             x = torch.randn(4, device="cuda")
             torch.testing.assert_close(f(x), x + 1)
     reasons = autograph.stats(f)["eager_reasons"]
-    assert any("OutOfMemoryError" in r for r in reasons), reasons
+    details = autograph.stats(f)["eager_details"].get("capture_failed", {})
+    assert any("OutOfMemoryError" in d for d in details), reasons
     ok = autograph.graphed(lambda x: x - 1, warmup=0)
     with torch.no_grad():
         for _ in range(2):

@@ -49,7 +49,7 @@ def test_decode_loop_with_in_place_cache_equals_eager():
     s = autograph.stats(g)
     assert s["captures"] == 1 and s["replays"] == 37
     (entry,) = g._self_engine.cache.entries.values()
-    assert entry.static.positions == [0, 1]  # tokens and pos copied; caches never
+    assert entry.graph.static.positions == [0, 1]  # tokens and pos copied; caches never
 
 
 def test_outputs_are_safe_to_keep():

@@ -2,7 +2,8 @@
 
 Nothing is counted twice and nothing runs per call: each scrape turns the live
 counters into metric families labelled by callable.  ``prometheus-client`` is an
-optional extra (``pip install 'autograph[prometheus]'``); it is imported only here.
+optional extra (``pip install 'torch-autograph[prometheus]'`` or
+``pip install prometheus-client``); it is imported only here.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def register(registry: Any = None, prefix: str = "autograph") -> Collector:
         import prometheus_client
     except ImportError:
         raise ImportError("autograph.register_prometheus needs prometheus-client: "
-                          "pip install 'autograph[prometheus]'") from None
+                          "pip install prometheus-client (the 'prometheus' extra of "
+                          "torch-autograph)") from None
     collector = Collector(prefix)
     (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
     return collector

@@ -84,6 +84,7 @@ def graphed(  # type: ignore[overload-overlap]  # a module is callable: it keeps
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
+    verify_every: int | None = None,
 ) -> M: ...
 @overload
 def graphed(
@@ -98,6 +99,7 @@ def graphed(
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
+    verify_every: int | None = None,
 ) -> Graphed[P, R]: ...
 @overload
 def graphed(
@@ -110,6 +112,7 @@ def graphed(
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
+    verify_every: int | None = None,
 ) -> _Decorator: ...
 
 
@@ -125,6 +128,7 @@ def graphed(
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
+    verify_every: int | None = None,
 ) -> Any:
     """Run a function, method or module through CUDA graphs, one per input key.
 
@@ -164,9 +168,15 @@ def graphed(
             replay the same graph, capture together, or run eagerly together; with
             buckets, all pad to the bucket of the largest batch.  Collectives inside
             the forward are captured.  None (default): no agreement.
+        verify_every: every this many replays of a graph, also run the call eagerly on
+            copies of its arguments (and the state it writes) and compare outputs and
+            writes within the dtype's tolerance; a mismatch drops the graph, runs the key
+            eagerly from then on, logs a WARNING with the largest difference and counts
+            ``verify_failures``.  Graphs that draw random numbers are not checked.  None
+            (default): the environment variable ``AUTOGRAPH_VERIFY_EVERY``, else never.
     """
     options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                      min_speedup, group)
+                      min_speedup, group, verify_every)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -182,6 +192,7 @@ def capture_region(
     pad_values: Mapping[str | int, Any] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
+    verify_every: int | None = None,
 ) -> Region:
     """Graph the module calls made inside a block, without touching the model.
 
@@ -199,7 +210,7 @@ def capture_region(
     Args: the options of :func:`graphed`.
     """
     return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                          min_speedup, group))
+                          min_speedup, group, verify_every))
 
 
 def save_plan(path: str | os.PathLike[str]) -> None:

@@ -72,7 +72,7 @@ class Engine:
     def _use_options(self, options: Options) -> None:
         self.options = self.cache.options = options
         self.ranks = Ranks(options.group) if options.group is not None else None
-        every = getattr(options, "verify_every", None)
+        every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
 
     # -- the call ----------------------------------------------------------------------

@@ -35,6 +35,8 @@ class Options:
         (wall clock, synchronized).  None: keep every graph.
     group: a ``torch.distributed`` process group whose ranks make the same calls: each
         call is agreed across them (see ``ranks``).  None: no agreement.
+    verify_every: check every Nth replay of a graph against eager (see ``verify``).
+        None: ``AUTOGRAPH_VERIFY_EVERY``, else never.
     """
 
     warmup: int = 2
@@ -45,6 +47,7 @@ class Options:
     pad_values: Mapping[str | int, Any] | None = field(default_factory=dict)
     min_speedup: float | None = None
     group: Any = None
+    verify_every: int | None = None
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -77,6 +80,8 @@ class Options:
             if self.warmup < 1:
                 raise ValueError("autograph: min_speedup needs warmup >= 1 (eager runs are "
                                  "what the graph is timed against)")
+        if self.verify_every is not None:
+            _int_at_least("verify_every", self.verify_every, 1)
         if self.group is not None:
             import torch.distributed as dist
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .keys import Flat, GraphKey
+from .mutation import storage_ptr
 from .options import Options
 from .stats import Stats
 from .vocab import EagerReason, State
@@ -141,7 +142,10 @@ class GraphCache:
             entry.state = State.WARMING
 
     def rekey(self, key: GraphKey, entry: Entry, flat: Flat, inplace: set[int]) -> None:
-        """Arguments at ``inplace`` are written by the call: key them by address."""
+        """Arguments at ``inplace`` are written by the call: key them by address, with
+        every argument that shares storage with one of them (a read argument that
+        overlaps a written one must see the write, so it cannot be a private copy)."""
+        inplace = _sharing(flat, inplace)
         base = key.base()
         with self.lock:
             self.inplace[base] = tuple(sorted(set(self.inplace.get(base, ())) | inplace))
@@ -160,3 +164,11 @@ class GraphCache:
         return [(k, self.inplace.get(k.base(), ())) for k, e in list(self.entries.items())
                 if e.graph is not None]
 
+
+
+def _sharing(flat: Flat, positions: set[int]) -> set[int]:
+    """``positions`` and every tensor argument that shares storage with one of them."""
+    leaves = flat.leaves
+    storages = {storage_ptr(leaves[i]) for i in positions if leaves[i].numel()}
+    return positions | {i for i in flat.tensor_pos
+                        if leaves[i].numel() and storage_ptr(leaves[i]) in storages}

@@ -244,10 +244,13 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
                 entry.graph = captured
                 return self._replay_failed(entry, exc, flat, counted=False)
-            missed = lifecycle.hand_back(captured, list(flat.leaves))
-            if missed:
+            missed = captured.static.differing(list(flat.leaves))
+            if missed:  # written through something no operator declared (a raw kernel)
                 self.cache.rekey(key, entry, flat, set(missed))
                 stats.count_eager(EagerReason.IN_PLACE, warn=False)
+                if not inplace and not captured.state_written:  # nothing real was written
+                    return self.eager(*flat.call())  # (a read copy may have been stale)
+                lifecycle.hand_back(captured, list(flat.leaves), missed)
                 return result
             nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
             return self._keep(key, entry, captured, result, nbytes, time.perf_counter() - start)

@@ -193,9 +193,13 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                                                               static.buffers if b.numel()})
     watch.assigned = None
     host = _host_random_state(device)
-    with nested_block(), running(watch), recorder, _no_autocast_cache():
+    def recorded() -> Any:  # the recorder innermost: it sees the very tensors written
+        with recorder:
+            return fn(*args, **kwargs)
+
+    with nested_block(), running(watch), _no_autocast_cache():
         try:
-            graph, out = backend.capture(device, lambda: fn(*args, **kwargs))
+            graph, out = backend.capture(device, recorded)
         except CAPTURE_ERRORS as exc:
             raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
     _check(watch, None, host, device)
@@ -208,17 +212,15 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                     list(recorder.hidden.values()), state_written)
 
 
-def hand_back(captured: Captured, leaves: list[Any]) -> list[int]:
-    """After the first replay: arguments the graph wrote through something no operator
-    declared (a raw kernel) get their new values now; returns their positions."""
+def hand_back(captured: Captured, leaves: list[Any], missed: list[int]) -> None:
+    """After the first replay of a graph that also wrote arguments in place: give the
+    caller the values the graph wrote, through something no operator declared (a raw
+    kernel), into the static buffers at ``missed``."""
     static = captured.static
-    missed = static.differing(leaves)
-    if missed:
-        with torch.inference_mode():
-            for i, buf in zip(static.positions, static.buffers):
-                if i in missed:
-                    leaves[i].copy_(buf)
-    return missed
+    with torch.inference_mode():
+        for i, buf in zip(static.positions, static.buffers):
+            if i in missed:
+                leaves[i].copy_(buf)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -68,8 +68,8 @@ def register(registry: Any = None, prefix: str = "autograph") -> Collector:
         import prometheus_client
     except ImportError:
         raise ImportError("autograph.register_prometheus needs prometheus-client: "
-                          "pip install prometheus-client (the 'prometheus' extra of "
-                          "torch-autograph)") from None
+                          "pip install 'torch-autograph[prometheus]' (or prometheus-client)"
+                          ) from None
     collector = Collector(prefix)
     (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
     return collector

@@ -148,7 +148,7 @@ def dtypes_for(device: str) -> list[torch.dtype]:
     return [torch.float32, torch.bfloat16]  # CPU kernels lack some fp16 ops
 
 
-EXTRAS = ["separate", "same"]  # and "overlap", not yet right everywhere (issue 12)
+EXTRAS = ["separate", "same", "overlap"]
 PATTERNS = frozenset({"keyword", "rotate", "strided", "extra", "out", "flag", "view",
                       "fail", "precision", "default-dtype"})
 
@@ -205,8 +205,6 @@ def run(seed: int, device: str, calls: int, *, warmup: int | None = None,
             "keyword": use("keyword", 0.2),
             "caches": rng.choice([2, 3]) if use("rotate", 0.25) else 1,
             "strided": use("strided", 0.2),
-            # "overlap" (a read argument overlapping the written cache) still differs on
-            # some models (issue 12, open): generated only when asked for by name
             "extra": rng.choice(EXTRAS) if use("extra", 0.3) else None,
             "out": use("out", 0.2),
             "flag": rng.choice([True, False]) if use("flag", 0.3) else None,

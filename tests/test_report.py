@@ -79,7 +79,7 @@ def test_without_prometheus_client_the_error_says_what_to_install(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_prometheus)
-    with pytest.raises(ImportError, match=r"autograph\[prometheus\]"):
+    with pytest.raises(ImportError, match=r"torch-autograph\[prometheus\]"):
         autograph.register_prometheus()
 
 

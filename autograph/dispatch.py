@@ -36,6 +36,11 @@ _NO_RANGE = contextlib.nullcontext()
 record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
 
+# When a callable stops trying: this many keys given up after failed captures with no
+# replay ever, or this many new keys in a row without a replay (keys that never repeat).
+GIVE_UP_FAILURES = 3
+GIVE_UP_FRESH_KEYS = 64
+
 # Warmups and captures are serialized process-wide: capture must not interleave with
 # another capture into the same pool, and it keeps warmup and capture on one stream.
 _capture_lock = threading.RLock()
@@ -74,6 +79,9 @@ class Engine:
         self.ranks = Ranks(options.group) if options.group is not None else None
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
+        self.given_up: str | None = None  # why this callable stopped trying, if it did
+        self._failures = 0  # keys given up after a failed capture
+        self._fresh = 0  # new keys since the last replay
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -86,6 +94,9 @@ class Engine:
         if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             self.stats.count_eager(EagerReason.DISABLED, warn=False)
             return self.fn(*args, **kwargs)
+        if self.given_up is not None and self.ranks is None:
+            self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
+            return self.fn(*args, **kwargs)
         try:
             key, flat, backend, device = self._key(args, kwargs)
         except Uncapturable as exc:
@@ -93,7 +104,9 @@ class Engine:
                 self.ranks.agree(Action.EAGER, 0, self.stats.name)
             self.stats.count_eager(exc.reason, exc.detail)
             return self.eager(args, kwargs)
-        entry = self.cache.entry(key)
+        entry = self.cache.entries.get(key)
+        if entry is None:
+            entry = self._new_entry(key)
         run = entry.run
         if run is not None and self.ranks is None:
             return self._replay(entry, run, flat)
@@ -155,7 +168,19 @@ class Engine:
         leaves = flat.leaves
         if any(leaves[i].requires_grad for i in flat.tensor_pos):
             return True
-        return any(t.requires_grad for t in self.watch.tensors())
+        return self.watch.requires_grad()
+
+    def _new_entry(self, key: GraphKey) -> Entry:
+        self._fresh += 1
+        if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
+            self._give_up_all(f"{self._fresh} new keys in a row without a replay")
+        return self.cache.entry(key)
+
+    def _give_up_all(self, why: str) -> None:
+        """Stop warming up and capturing: every later call runs eagerly at once."""
+        self.given_up = why
+        logger.warning("%s: %s; graphs do not pay here, so it runs eagerly from now on "
+                       "(autograph.reset() tries again)", self.stats.name, why)
 
     def check_guards(self) -> bool:
         """Bring the guard up to date: True (and the graphs dropped) if state that the
@@ -181,9 +206,12 @@ class Engine:
             return self.fn(*args, **kwargs)
 
     def reset(self) -> None:
-        """Drop every graph and forget what was learned about the arguments."""
+        """Drop every graph and forget what was learned about the arguments (and try
+        graphs again if this callable had stopped trying)."""
         self.cache.clear()
         self.watch.stale = True
+        self.given_up = None
+        self._failures = self._fresh = 0
 
     def invalidate(self) -> None:
         self.stats.invalidations += 1
@@ -293,6 +321,10 @@ class Engine:
             raise
         entry.give_up(exc.reason, exc.detail)
         self.stats.count_eager(exc.reason, exc.detail)
+        if exc.reason is EagerReason.CAPTURE_FAILED:
+            self._failures += 1
+            if self._failures >= GIVE_UP_FAILURES and not self.stats.replays:
+                self._give_up_all(f"{self._failures} captures failed and none replayed")
         return out
 
     # -- replay ------------------------------------------------------------------------
@@ -312,6 +344,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self._replay_failed(entry, exc, flat)
         self.stats.count_replay()
+        self._fresh = 0
         self.cache.uses = entry.used = self.cache.uses + 1  # a stamp: races are harmless
         return result
 

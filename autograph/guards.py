@@ -67,6 +67,7 @@ class Watch:
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
+        self._last_grad: Any = None  # a weak reference to a tensor that required grad
         self._modules: list[Any] = []  # weak references to the watched modules
         self._training: tuple[bool, ...] | None = None
         self.__weakref__: Any
@@ -124,6 +125,22 @@ class Watch:
             if t is None or t.data_ptr() != ptr or (version is not None and t._version != version):
                 return False
         return True
+
+    def requires_grad(self) -> bool:
+        """Whether a watched parameter or buffer requires grad (the one found last time
+        is tried first: with a trainable model under grad mode this is one check)."""
+        tensors = list(self.tensors()) if self._last_grad is None else None
+        if self._last_grad is not None:
+            t = self._last_grad()
+            if t is not None and t.requires_grad:
+                return True
+            tensors = list(self.tensors())
+        for t in tensors or ():
+            if t.requires_grad:
+                self._last_grad = weakref.ref(t)
+                return True
+        self._last_grad = None
+        return False
 
     def guard_hidden(self, tensors: list[torch.Tensor]) -> None:
         """Also guard tensors a graph reads that are no argument, parameter, buffer or

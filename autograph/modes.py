@@ -4,13 +4,16 @@ A captured graph keeps the kernels chosen at capture: whether autograd recorded,
 inference mode, the autocast dtype, and every flag that changes which kernels run or
 how they round: TF32 for matmuls and cuDNN (through the new ``fp32_precision`` API
 where torch has it, which also reflects the legacy flags and never raises on a mix of
-the two), reduced-precision reductions, fp16 accumulation, deterministic algorithms,
-cuDNN's enabled/deterministic/benchmark flags and the default dtype.  All of it goes
+the two), reduced-precision reductions, fp16 accumulation, deterministic algorithms
+(global and cuDNN's) and the default dtype.  cuDNN's ``benchmark`` and ``enabled``
+change speed and rounding within tolerance, not results: they are not keyed.  All of it goes
 into the key, so flipping a flag selects another graph instead of replaying a stale one.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -26,17 +29,6 @@ _default_dtype = torch.get_default_dtype
 _precision: Any = getattr(_C, "_get_fp32_precision_getter", None)
 
 
-def _flag(name: str) -> Callable[[], Any]:
-    getter = getattr(_C, name, None)
-    if getter is None:
-        return lambda: None
-    try:
-        getter()
-    except RuntimeError:
-        pass
-    return getter  # type: ignore[no-any-return]
-
-
 def _safe(getter: Callable[[], Any]) -> Callable[[], Any]:
     """A legacy getter that raises once the new API was used: read it as None then."""
     def read() -> Any:
@@ -48,25 +40,41 @@ def _safe(getter: Callable[[], Any]) -> Callable[[], Any]:
     return read
 
 
+def _read(name: str, *args: str) -> Callable[[], Any]:
+    """A zero-argument reader of one flag (None where this torch lacks it); a legacy
+    getter that raises once the new API was used reads None."""
+    getter = getattr(_C, name, None)
+    if getter is None:
+        return lambda: None
+    read = functools.partial(getter, *args) if args else getter
+    try:
+        read()
+    except RuntimeError:
+        return _safe(read)
+    return read  # type: ignore[no-any-return]
+
+
 if _precision is not None:
-    def _fp32() -> tuple[Any, ...]:
-        return (_precision("cuda", "matmul"), _precision("cuda", "conv"),
-                _precision("cuda", "rnn"), _precision("mkldnn", "matmul"))
+    _TF32 = (_read("_get_fp32_precision_getter", "cuda", "matmul"),
+             _read("_get_fp32_precision_getter", "cuda", "conv"),
+             _read("_get_fp32_precision_getter", "cuda", "rnn"))
+    _CPU_PRECISION = (_read("_get_fp32_precision_getter", "mkldnn", "matmul"),)
 else:  # pragma: no cover - torch before the fp32_precision API
-    _legacy = (_safe(_flag("_get_cublas_allow_tf32")), _safe(_flag("_get_cudnn_allow_tf32")),
-               _safe(_flag("_get_float32_matmul_precision")))
+    _TF32 = (_safe(_read("_get_cublas_allow_tf32")), _safe(_read("_get_cudnn_allow_tf32")),
+             _safe(_read("_get_float32_matmul_precision")))
+    _CPU_PRECISION = (_safe(_read("_get_float32_matmul_precision")),)
 
-    def _fp32() -> tuple[Any, ...]:
-        return tuple(get() for get in _legacy)
-
-
-_fp16_reduction = _flag("_get_cublas_allow_fp16_reduced_precision_reduction")
-_bf16_reduction = _flag("_get_cublas_allow_bf16_reduced_precision_reduction")
-_fp16_accumulation = _flag("_get_cublas_allow_fp16_accumulation")
-_deterministic = _flag("_get_deterministic_algorithms")
-_cudnn_enabled = _flag("_get_cudnn_enabled")
-_cudnn_deterministic = _flag("_get_cudnn_deterministic")
-_cudnn_benchmark = _flag("_get_cudnn_benchmark")
+# Flags that change results, per device type (each a zero-argument reader): TF32,
+# reduced-precision reductions and accumulation, deterministic algorithms, default dtype.
+_COMMON = (_read("_get_deterministic_algorithms"), _default_dtype)
+_FLAGS = {
+    "cuda": (*_TF32, _read("_get_cublas_allow_fp16_reduced_precision_reduction"),
+             _read("_get_cublas_allow_bf16_reduced_precision_reduction"),
+             _read("_get_cublas_allow_fp16_accumulation"),
+             _read("_get_cudnn_deterministic"), *_COMMON),
+}
+_OTHER = (*_CPU_PRECISION, *_COMMON)
+_call = operator.call if hasattr(operator, "call") else (lambda f: f())
 
 
 def modes(device: torch.device) -> tuple[Any, ...]:
@@ -76,9 +84,7 @@ def modes(device: torch.device) -> tuple[Any, ...]:
     return (
         _grad_enabled(), _inference_mode(),
         _any_autocast() and _autocast(kind) and _get_dtype(kind),
-        _fp32(), _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
-        _deterministic(), _cudnn_enabled(), _cudnn_deterministic(), _cudnn_benchmark(),
-        _default_dtype(),
+        *map(_call, _FLAGS.get(kind, _OTHER)),
     )
 
 

@@ -58,6 +58,7 @@ class EagerReason(enum.Enum):
     RANKS_DISAGREE = "ranks_disagree"
     RANKS_BEHIND = "ranks_behind"
     VERIFY_FAILED = "verify_failed"
+    GIVEN_UP = "given_up"
 
     @property
     def message(self) -> str:
@@ -91,6 +92,8 @@ _MESSAGES = {
     EagerReason.RANKS_DISAGREE: "ranks disagree on this call's key: every rank runs it eagerly",
     EagerReason.RANKS_BEHIND: "another rank runs this call eagerly",
     EagerReason.VERIFY_FAILED: "a verified replay differed from eager",
+    EagerReason.GIVEN_UP: "graphs do not pay for this callable: it runs eagerly until "
+                          "autograph.reset()",
 }
 
 # Reasons that are steps on the way to a graph, not problems: never logged as warnings.

@@ -8,8 +8,9 @@ Every rank graphs the same calls with ``group=``, so all ranks replay together; 
 same graphs without ``group=`` are timed too, in the same run, for what the agreement
 costs. The program ends as it would without autograph: its graphs go before the
 communicator (``destroy_process_group`` waits for ever while graphs that captured NCCL
-collectives are alive; autograph drops them first). On a machine without GPUs it runs over gloo on the CPU (eager: autograph says why); with one
-GPU, ``--nproc-per-node 1`` runs a world of one over NCCL.
+collectives are alive; autograph drops them first). On a machine without GPUs it runs
+over gloo on the CPU (eager: autograph says why); with one GPU, ``--nproc-per-node 1``
+runs a world of one over NCCL.
 """
 
 import argparse

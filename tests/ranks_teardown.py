@@ -7,14 +7,17 @@ would without autograph, whatever the order of its teardown.
 ORDER: ``destroy-first`` (destroy_process_group, then drop the model), ``drop-first``
 (drop the model, then destroy_process_group), ``exit`` (neither: the interpreter exits
 with the graphs and the group alive), ``subgroup`` (graphs of a subgroup's collectives:
-destroy the subgroup, then the world).  Prints ``teardown ORDER: exiting`` on rank 0 as
-its last word; the caller checks that the ranks then exit, and in time.
+destroy the subgroup, then the world), ``dead-peer`` (the last rank exits between two
+calls: the others' next call raises, saying so, instead of waiting for it).  Prints
+``teardown ORDER: exiting`` on rank 0 as its last word; the caller checks that the
+ranks then exit, and in time.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -102,6 +105,21 @@ def main() -> None:
             torch.testing.assert_close(local_only(x), x * 2 + 1)
             dist.barrier()
             dist.destroy_process_group()
+        elif order == "dead-peer":
+            if dist.get_rank() == world - 1:
+                os._exit(0)
+            start = time.monotonic()
+            try:
+                fast(x)
+            except RuntimeError as exc:
+                assert "exited while this rank waited" in str(exc), exc
+                print(f"dead peer noticed after {time.monotonic() - start:.2f} s: {exc}",
+                      flush=True)
+            else:
+                raise AssertionError("a call with a dead peer returned")
+            if dist.get_rank() == 0:
+                print(f"teardown {order}: exiting", flush=True)
+            os._exit(0)  # the group cannot be destroyed cleanly without its last rank
         elif order == "exit":
             kept.extend([fast, model, local_only])
             dist.barrier()

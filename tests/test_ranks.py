@@ -48,14 +48,17 @@ def torchrun(script, *argv, timeout=300):
 
 
 @needs_torchrun
-def test_two_gloo_ranks_agree_on_every_call_and_equal_eager():
+@pytest.mark.parametrize("channel", ["shm", "gloo"])
+def test_two_gloo_ranks_agree_on_every_call_and_equal_eager(channel, monkeypatch):
+    monkeypatch.setenv("AUTOGRAPH_RANKS_CHANNEL", channel)
     proc = torchrun("ranks_check.py", "cpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all agree and equal eager" in proc.stdout
 
 
 @needs_torchrun
-@pytest.mark.parametrize("order", ["destroy-first", "drop-first", "exit", "subgroup"])
+@pytest.mark.parametrize("order", ["destroy-first", "drop-first", "exit", "subgroup",
+                                   "dead-peer"])
 def test_two_gloo_ranks_shut_down_in_every_teardown_order(order):
     proc = torchrun("ranks_teardown.py", "cpu", order, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -58,7 +58,8 @@ def test_two_ranks_over_nccl_agree_and_equal_eager():
 
 
 @two_gpus
-@pytest.mark.parametrize("order", ["destroy-first", "drop-first", "exit", "subgroup"])
+@pytest.mark.parametrize("order", ["destroy-first", "drop-first", "exit", "subgroup",
+                                   "dead-peer"])
 def test_two_ranks_with_captured_collectives_shut_down(order):
     proc = torchrun(2, "ranks_teardown.py", "cuda", order, timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

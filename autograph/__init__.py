@@ -164,7 +164,7 @@ def graphed(
             None (default): keep every graph.
         group: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``) whose
             ranks make the same calls, as tensor-parallel ranks do.  Each call is then
-            agreed across the ranks with one small all-reduce, so that all of them
+            agreed across the ranks on the host (no GPU work), so that all of them
             replay the same graph, capture together, or run eagerly together; with
             buckets, all pad to the bucket of the largest batch.  Collectives inside
             the forward are captured.  None (default): no agreement.

@@ -140,8 +140,12 @@ class Engine:
                     self.cache.forget_graph(entry)
         if agreed in (Action.WARM, Action.CAPTURE):
             return self._act(agreed, key, entry, flat, backend, device)
-        differ = self.ranks is not None and self.ranks.keys_differ
-        self.stats.count_eager(EagerReason.RANKS_DISAGREE if differ else EagerReason.RANKS_BEHIND)
+        ranks = self.ranks
+        if ranks is not None and ranks.closed:
+            self.stats.count_eager(EagerReason.RANKS_BEHIND, "its process group was destroyed")
+        else:
+            self.stats.count_eager(EagerReason.RANKS_DISAGREE if ranks is not None and
+                                   ranks.keys_differ else EagerReason.RANKS_BEHIND)
         return self.eager(*flat.call())
 
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -19,7 +19,15 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from .objects import ObjectKey, Walked, finish, is_object, object_key, portable_state
+from .objects import (
+    ObjectKey,
+    Walked,
+    finish,
+    is_object,
+    object_key,
+    open_mapping,
+    portable_state,
+)
 from .objects import changes as objects_changes
 from .vocab import EagerReason, Uncapturable
 
@@ -183,7 +191,12 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     else:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         structure, names = _spec_key(spec), ()
-    parts, tensor_pos, device, objs = _leaf_keys(leaves)
+    try:
+        parts, tensor_pos, device, objs = _leaf_keys(leaves)
+    except _Reopen:  # a mapping type pytree opens from now on: flatten again
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        structure, names = _spec_key(spec), ()
+        parts, tensor_pos, device, objs = _leaf_keys(leaves)
     if objs:
         parts, device = _finish_objects(parts, objs, device)
     if device is None:
@@ -194,6 +207,10 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     if objs:
         flat.objects = tuple((i, walked, parts[i], device) for i, walked in objs)
     return key, flat, device
+
+
+class _Reopen(Exception):
+    """A leaf's mapping type is now a pytree node: the arguments are flattened again."""
 
 
 def _finish_objects(parts: tuple[Any, ...], objs: list[tuple[int, Walked]], device: Any
@@ -238,6 +255,8 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
             except Uncapturable:
                 if not is_object(x):
                     raise
+                if open_mapping(x):
+                    raise _Reopen() from None
                 opart, walked = object_key(x)  # an object holding tensors (objects.py)
                 parts.append(opart)
                 if objs is None:

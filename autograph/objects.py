@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .vocab import EagerReason, Uncapturable
 
@@ -229,6 +230,42 @@ def _attributes(x: Any) -> dict[str, Any] | None:
     if not out and not isinstance(d, dict):
         return None
     return out
+
+
+# -- mappings that are no dict (BatchEncoding, UserDict) -----------------------------
+_opened: dict[type, bool] = {}
+
+
+def open_mapping(x: Any) -> bool:
+    """Make pytree open ``x``'s type if it is a mapping that is no dict and rebuilds
+    from its items (``type(x)(dict)``, as ``BatchEncoding`` and ``UserDict`` do): its
+    tensors are then arguments like a dict's (copied into static buffers), and the
+    function receives a mapping of the same type.  True if the type is now opened."""
+    cls = type(x)
+    known = _opened.get(cls)
+    if known is not None:
+        return known
+    ok = False
+    if isinstance(x, Mapping) and not isinstance(x, dict):
+        try:
+            again = cls(dict(x.items()))  # type: ignore[call-arg]
+            ok = type(again) is cls and list(again.keys()) == list(x.keys())
+        except Exception:  # noqa: BLE001 - any failure: keyed as an object instead
+            ok = False
+    if ok:
+        def flatten(m: Any) -> tuple[list[Any], Any]:
+            return list(m.values()), list(m.keys())
+
+        def unflatten(values: Any, keys: Any) -> Any:
+            return cls(dict(zip(keys, values)))  # type: ignore[call-arg]
+
+        try:
+            pytree.register_pytree_node(cls, flatten, unflatten,
+                                        serialized_type_name=f"autograph.{cls.__qualname__}")
+        except ValueError:  # registered meanwhile
+            pass
+    _opened[cls] = ok
+    return ok
 
 
 # -- known types ---------------------------------------------------------------------

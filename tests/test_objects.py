@@ -203,3 +203,24 @@ def test_graphed_model_generate_is_graphed():
     assert torch.equal(g.generate(ids, **kw), want)
     s = autograph.stats(g)
     assert s["calls"] == 8 and s["replays"] == 4, s
+
+
+def test_sentence_transformers_encode_with_buckets(monkeypatch):
+    pytest.importorskip("sentence_transformers")
+    import transformers.masking_utils as masking
+
+    from .gpu.models import sentence_transformer, sentences
+
+    # a real capture makes transformers skip its data-dependent mask check
+    # (is_cuda_stream_capturing); the stand-in's capture is no CUDA capture
+    monkeypatch.setattr(masking, "is_tracing", lambda tensor=None: True)
+    st = sentence_transformer()
+    batches = [sentences(n, seed=n) for n in (3, 2, 3, 4)]
+    want = [st.encode(b, convert_to_tensor=True) for b in batches]
+    with autograph.capture_region(buckets=[4]) as region:
+        got = [st.encode(b, convert_to_tensor=True) for b in batches for _ in range(2)]
+    for i, w in enumerate(want):
+        torch.testing.assert_close(got[2 * i], w)
+        torch.testing.assert_close(got[2 * i + 1], w)
+    (s,) = region.stats().values()
+    assert s["replays"] >= 1 and s["eager_reasons"].keys() <= {"warmup"}, s

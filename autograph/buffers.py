@@ -137,8 +137,14 @@ def output_builder(
     for i in inplace:
         arg_storage[storage_ptr(leaves[i])] = (i, leaves[i])
 
+    # object arguments (passed through, objects.py) returned as they are
+    objects = {id(v): i for i, v in enumerate(leaves)
+               if not isinstance(v, (torch.Tensor, *_CONSTANT_OUTPUTS))}
     makers: list[Callable[[list[Any]], Any]] = []
     for value in flat:
+        if objects and id(value) in objects:
+            makers.append(_argument_object(objects[id(value)]))
+            continue
         makers.append(_leaf_maker(value, arg_storage, persistent))
 
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and _is_clone(makers[0]):
@@ -154,6 +160,11 @@ def output_builder(
         return pytree.tree_unflatten([make(call_leaves) for make in makers], spec)
 
     return build
+
+
+def _argument_object(i: int) -> Callable[[list[Any]], Any]:
+    """An output that is an object argument: the call's own object at replay."""
+    return lambda leaves: leaves[i]
 
 
 def _is_clone(maker: Callable[..., Any]) -> bool:

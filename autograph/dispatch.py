@@ -110,9 +110,12 @@ class Engine:
         run = entry.run
         if run is not None and self.ranks is None:
             return self._replay(entry, run, flat)
+        # an object argument (objects.py) is learned by one warmup run even under
+        # warmup=0: a capture runs the Python once, and its changes must be known first
         action = (Action.REPLAY if run is not None
                   else Action.EAGER if entry.state is State.EAGER
-                  else Action.WARM if entry.runs < self.options.warmup else Action.CAPTURE)
+                  else Action.WARM if entry.runs < self.options.warmup or (
+                      flat.objects and not entry.runs) else Action.CAPTURE)
         if self.ranks is not None and not _is_nested():
             agreed = Action(self.ranks.agree(action, key.digest(), self.stats.name))
             if agreed is not action:

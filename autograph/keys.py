@@ -19,6 +19,16 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from .objects import (
+    ObjectKey,
+    Walked,
+    finish,
+    is_object,
+    object_key,
+    open_mapping,
+    portable_state,
+)
+from .objects import changes as objects_changes
 from .vocab import EagerReason, Uncapturable
 
 _Tensor = torch.Tensor
@@ -117,15 +127,38 @@ class Flat:
     """The flattened arguments of one call: ``leaves`` in order, and how to put a
     (possibly substituted) leaf list back into ``(args, kwargs)``."""
 
-    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos")
+    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos", "objects")
 
     def __init__(self, leaves: list[Any] | tuple[Any, ...], nargs: int,
-                 kw_names: tuple[str, ...], spec: Any, tensor_pos: tuple[int, ...]) -> None:
+                 kw_names: tuple[str, ...], spec: Any, tensor_pos: tuple[int, ...],
+                 objects: tuple[tuple[int, Walked, ObjectKey, torch.device], ...] = ()
+                 ) -> None:
         self.leaves = leaves
         self.nargs = nargs
         self.kw_names = kw_names
         self.spec = spec  # a torch TreeSpec, or None when no container was opened
         self.tensor_pos = tensor_pos
+        # object arguments (``objects.py``): (position, its walk, its key, the device)
+        self.objects = objects
+
+    def object_storages(self) -> set[int]:
+        """Storage addresses of the tensors inside object arguments (keyed by address:
+        a graph may read them without a guard of its own)."""
+        return {t.untyped_storage().data_ptr() for _, walked, _, _ in self.objects
+                for t in walked.tensors if t.numel()}
+
+    def object_changes(self) -> str | None:
+        """What the call changed in its object arguments' structure, or None."""
+        for pos, _walked, before, device in self.objects:
+            try:
+                after, again = object_key(self.leaves[pos])
+                after = finish(after, again, device)
+            except Uncapturable as exc:
+                return exc.detail or "an argument object can no longer be keyed"
+            problem = objects_changes(before, after, again)
+            if problem:
+                return problem
+        return None
 
     def rebuild(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.spec is None:
@@ -158,18 +191,49 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     else:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         structure, names = _spec_key(spec), ()
-    parts, tensor_pos, device = _leaf_keys(leaves)
+    try:
+        parts, tensor_pos, device, objs = _leaf_keys(leaves)
+    except _Reopen:  # a mapping type pytree opens from now on: flatten again
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        structure, names = _spec_key(spec), ()
+        parts, tensor_pos, device, objs = _leaf_keys(leaves)
+    if objs:
+        parts, device = _finish_objects(parts, objs, device)
     if device is None:
         raise Uncapturable(EagerReason.NO_TENSORS)
     aliases = _aliases(leaves, tensor_pos) if len(tensor_pos) > 1 else ()
     key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
-    return key, Flat(leaves, len(args), names, spec, tensor_pos), device
+    flat = Flat(leaves, len(args), names, spec, tensor_pos)
+    if objs:
+        flat.objects = tuple((i, walked, parts[i], device) for i, walked in objs)
+    return key, flat, device
 
 
-def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any]:
+class _Reopen(Exception):
+    """A leaf's mapping type is now a pytree node: the arguments are flattened again."""
+
+
+def _finish_objects(parts: tuple[Any, ...], objs: list[tuple[int, Walked]], device: Any
+                    ) -> tuple[tuple[Any, ...], Any]:
+    """Complete the object parts once the call's device is known (the tensor
+    arguments', else the first device tensor inside an object)."""
+    if device is None:
+        found = [t.device for _, w in objs for t in w.tensors if t.device.type != "cpu"]
+        found = found or [t.device for _, w in objs for t in w.tensors]
+        device = found[0] if found else None
+        if device is None:
+            return parts, None
+    out = list(parts)
+    for i, walked in objs:
+        out[i] = finish(out[i], walked, device)
+    return tuple(out), device
+
+
+def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]:
     parts: list[Any] = []
     tensor_pos = []
     device = None
+    objs: list[tuple[int, Walked]] | None = None
     for i, x in enumerate(leaves):
         tx = type(x)
         if tx is _Tensor or tx is _Parameter:
@@ -186,8 +250,19 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any]:
             parts.append(part)
             tensor_pos.append(i)
         else:
-            parts.append(leaf_key(x))
-    return tuple(parts), tuple(tensor_pos), device
+            try:
+                parts.append(leaf_key(x))
+            except Uncapturable:
+                if not is_object(x):
+                    raise
+                if open_mapping(x):
+                    raise _Reopen() from None
+                opart, walked = object_key(x)  # an object holding tensors (objects.py)
+                parts.append(opart)
+                if objs is None:
+                    objs = []
+                objs.append((i, walked))
+    return tuple(parts), tuple(tensor_pos), device, objs
 
 
 def _aliases(leaves: Any, tensor_pos: tuple[int, ...]) -> tuple[Any, ...]:
@@ -263,6 +338,9 @@ def _plain_structure(structure: Any) -> tuple[int | None, tuple[str, ...]]:
 
 
 def _portable(part: Any) -> Any:
+    if isinstance(part, ObjectKey):  # its structure, without addresses
+        return ("object", part.kind.__qualname__, _portable(portable_state(part.state)),
+                tuple((tuple(t.shape), str(t.dtype), t.device.type) for t in part.tensors))
     if isinstance(part, torch.device):
         return part.type
     if isinstance(part, (torch.dtype, torch.layout, torch.memory_format)):

@@ -81,6 +81,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     backend.after_warmup(device, out)
     try:
         _check(watch, out, host, device)
+        _check_objects(flat)
         problem = None
     except Uncapturable as exc:
         problem = exc
@@ -101,10 +102,21 @@ def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
                            "call reads requires grad)")
 
 
+def _check_objects(flat: Flat) -> None:
+    """Raise if the call changed the structure of an object argument (objects.py)."""
+    if flat.objects:
+        changed = flat.object_changes()
+        if changed:
+            raise Uncapturable(EagerReason.ASSIGNS, changed)
+
+
 def _known(flat: Flat, watch: Watch) -> set[int]:
-    """Storages a graph may read without a guard of its own: the arguments', and the
-    parameters', buffers' and named globals' (guarded by the watch)."""
+    """Storages a graph may read without a guard of its own: the arguments' (with the
+    tensors of object arguments, keyed by address), and the parameters', buffers' and
+    named globals' (guarded by the watch)."""
     known = {storage_ptr(flat.leaves[i]) for i in flat.tensor_pos}
+    if flat.objects:
+        known.update(flat.object_storages())
     known.update(watch.storage_ptrs())
     return known
 
@@ -203,6 +215,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         except CAPTURE_ERRORS as exc:
             raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
     _check(watch, None, host, device)
+    _check_objects(flat)
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)

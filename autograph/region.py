@@ -45,6 +45,10 @@ _original_call: Callable[..., Any] | None = None
 # id(module) -> (weak reference, the module's region handle)
 _handles: dict[int, tuple[weakref.ref[nn.Module], Handle]] = {}
 _own_options: dict[type, bool] = {}
+# Module instances whose top-level calls go through a given handle while one of their
+# own methods runs (``graphed(model).generate(...)``): id(module) -> handle
+_routes: contextvars.ContextVar[tuple[tuple[int, Handle], ...]] = contextvars.ContextVar(
+    "autograph_routes", default=())
 
 
 class Region:
@@ -158,16 +162,45 @@ def _call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``nn.Module.__call__`` while a region is open somewhere."""
     original = _original_call if _original_call is not None else _unpatched
     regions = _regions.get()
-    if not regions:  # the running code is in no region
+    routes = _routes.get()
+    if not regions and not routes:  # the running code is in no region and no method
         return original(self, *args, **kwargs)
     top = _depth() == 0
     _local.depth = _depth() + 1
     try:
-        if not top or _has_own_engine(self):
+        if not top:
+            return original(self, *args, **kwargs)
+        for mid, handle in routes:  # a graphed module's own method calls the module
+            if mid == id(self):
+                return handle.call(args, kwargs)
+        if not regions or _has_own_engine(self):
             return original(self, *args, **kwargs)
         return _through_engine(regions[-1], self, args, kwargs)
     finally:
         _local.depth -= 1
+
+
+class routing:  # noqa: N801 - used like a function
+    """While open, top-level calls of ``module`` (made by the running code, e.g. by one
+    of its methods such as ``generate``) run through ``handle``: the per-instance use of
+    the ``nn.Module.__call__`` patch that regions install."""
+
+    __slots__ = ("module", "handle", "token")
+
+    def __init__(self, module: nn.Module, handle: Handle) -> None:
+        self.module = module
+        self.handle = handle
+
+    def __enter__(self) -> None:
+        _retain()
+        self.token = _routes.set((*_routes.get(), (id(self.module), self.handle)))
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            _routes.reset(self.token)
+        except ValueError:  # exited in another context than it was entered in
+            _routes.set(tuple(r for r in _routes.get() if r[1] is not self.handle))
+        _release()
 
 
 def _unpatched(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -218,7 +251,7 @@ def nested(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``autograph.graphed(module)``, which graphs its module itself)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not _regions.get():
+        if not _regions.get() and not _routes.get():
             return fn(*args, **kwargs)
         _local.depth = _depth() + 1
         try:

@@ -9,6 +9,7 @@ takes its graphs with it.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import inspect
 import threading
@@ -30,7 +31,7 @@ from .engines import (
     make_module_engine,
 )
 from .options import Options
-from .region import nested
+from .region import nested, routing
 
 __all__ = ["GraphedFunction", "GraphedModule", "live_engines", "make_module_engine", "wrap"]
 
@@ -231,6 +232,18 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._self_handle.call(args, kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        """The module's attribute; a method of the module's own class (``generate``, a
+        custom ``predict``) comes wrapped so that the calls it makes of the module run
+        through this wrapper's engine, as ``wrapper(...)`` does."""
+        if name.startswith("_self_"):
+            raise AttributeError(name)
+        value = getattr(self.__wrapped__, name)
+        if (inspect.ismethod(value) and value.__self__ is self.__wrapped__
+                and name not in _MODULE_API and not name.startswith("__")):
+            return _routed(value, self.__wrapped__, self._self_handle)
+        return value
+
     def reset(self) -> None:
         """Drop every graph of this module."""
         self._self_engine.reset()
@@ -249,6 +262,21 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
 
     def __prepare_scriptable__(self) -> Any:
         raise TypeError(_SCRIPT_ERROR.format(what="module"))
+
+
+# nn.Module's own methods: none calls the module, so they are returned unwrapped
+_MODULE_API = frozenset(name for name in dir(nn.Module) if callable(getattr(nn.Module, name)))
+
+
+def _routed(method: Callable[..., Any], module: Any, handle: Handle) -> Callable[..., Any]:
+    """``method`` with the module calls it makes routed through ``handle``."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with routing(module, handle):
+            return method(*args, **kwargs)
+
+    return call
 
 
 def _returns_self(name: str) -> Callable[..., Any]:

@@ -1,0 +1,335 @@
+"""Arguments that are objects holding tensors: caches, dataclasses, plain objects.
+
+``keys.key_call`` keys tensors, scalars and pytree containers itself; an argument it
+cannot key by value (a transformers ``StaticCache``, a dataclass that is no pytree node,
+any object with attributes) comes here.  Such an object is *passed through*: the
+function receives the caller's own object, and a graph reads and writes its tensors
+at their own addresses.  So the object is keyed by its structure:
+
+* its type and, recursively, its attributes (``__dict__`` and ``__slots__``), and the
+  items of the lists, tuples and dicts it holds;
+* Python scalars, strings, dtypes and devices by value;
+* each tensor by its metadata and its address (a graph bakes the address in);
+* a tensor on the host while the call runs on a device (a CPU counter next to CUDA
+  caches) also by its version counter: a kernel that reads it bakes its value in, so a
+  write to it makes another key;
+* anything else (a function, a class, an object with no attributes) by identity.
+
+Mutations.  In-place writes to the object's device tensors (a KV cache's
+``index_copy_``, a device counter's ``add_``) are captured like any other kernel and
+replayed.  A call that changes the object's *structure* (rebinds an attribute, changes
+a scalar, allocates a tensor on first use, advances a host tensor) is found by keying the
+object again after the warmup run: that key runs eagerly, with the changed attributes
+in its reason, and the next call, which sees the new structure, has a key of its own.
+
+Known types register a faster keyer in :data:`KEYERS` (transformers' caches, registered
+when ``transformers.cache_utils`` is already imported: autograph never imports it).
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .vocab import EagerReason, Uncapturable
+
+_Tensor = torch.Tensor
+_VALUES = (
+    type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.layout,
+    torch.memory_format, type(Ellipsis),
+)
+_MAX_DEPTH = 8
+_MAX_NODES = 20_000
+# never opened: their state is not in attributes (sets), or is guarded elsewhere (modules)
+_UNOPENED = (set, frozenset, torch.nn.Module)
+
+
+class ObjectKey(NamedTuple):
+    """The key of one object argument: its type, its structure (a nested tuple of the
+    parts listed in the module docstring, with ``None`` for a tensor's slot) and, per
+    tensor in walk order, its :class:`ObjectTensor` key."""
+
+    kind: type
+    state: tuple[Any, ...]
+    tensors: tuple[Any, ...]
+
+    @property
+    def value(self) -> str:  # as ``ValueKey.value``, for ``GraphKey.describe``
+        return f"<{self.kind.__name__} with {len(self.tensors)} tensors>"
+
+    def to_json(self) -> None:
+        return None  # holds addresses: plans cannot carry it
+
+
+class ObjectTensor(NamedTuple):
+    """A tensor inside an object argument: metadata, address and (for a host tensor
+    next to device work) its version counter."""
+
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    ptr: int
+    version: int | None
+
+
+class Walked:
+    """One object argument as walked: the tensors it holds (with their paths)."""
+
+    __slots__ = ("obj", "tensors", "paths")
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self.tensors: list[torch.Tensor] = []
+        self.paths: list[str] = []
+
+
+def is_object(x: Any) -> bool:
+    """Whether ``x`` is an object this module keys (not a tensor, not a value)."""
+    return not isinstance(x, (_Tensor, *_VALUES, enum.Enum))
+
+
+def object_key(x: Any) -> tuple[ObjectKey, Walked]:
+    """The structural key of ``x`` without its tensors' device-dependent parts (see
+    :func:`finish`), and the walk (its tensors)."""
+    walked = Walked(x)
+    keyer = _keyer_for(type(x))
+    if keyer is not None:
+        state = keyer(x, walked)
+    else:
+        counter = [0]
+        state = _walk(x, walked, type(x).__name__, 0, counter)
+    return ObjectKey(type(x), state, ()), walked
+
+
+def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
+    """Complete ``part`` once the call's device is known: each tensor's key, with the
+    version counter of a host tensor when the call runs elsewhere."""
+    keys = []
+    host = device.type != "cpu"
+    for t, path in zip(walked.tensors, walked.paths):
+        if t.layout is not torch.strided or type(t) not in (_Tensor, torch.nn.Parameter):
+            raise Uncapturable(EagerReason.UNKEYABLE, f"{path}: a {t.layout} tensor or a "
+                               f"tensor subclass inside an argument object")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise Uncapturable(EagerReason.AUTOGRAD, f"{path} requires grad")
+        tdev = t.device
+        if tdev == device:
+            version = None
+        elif host and tdev.type == "cpu":
+            version = t._version
+        else:
+            raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{path} is on {tdev}, the call "
+                               f"on {device}")
+        keys.append(ObjectTensor(t.shape, t.stride(), t.dtype, tdev,
+                                 t.data_ptr() if t.numel() else 0, version))
+    return part._replace(tensors=tuple(keys))
+
+
+def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:
+    """What the call changed in an object's structure (None if nothing), for a reason."""
+    if before == after:
+        return None
+    name = before.kind.__name__
+    if before.state != after.state:
+        diff = _state_diff(before.state, after.state, name)
+        return f"the call changes {diff} (a graph replays only device work)"
+    for old, new, path in zip(before.tensors, after.tensors, walked.paths):
+        if old != new:
+            what = ("writes host tensor" if old.version is not None and old[:5] == new[:5]
+                    else "rebinds")
+            return f"the call {what} {path} (a graph replays only device work)"
+    return f"the call changes {name}"
+
+
+def portable_state(state: Any) -> Any:
+    """``state`` without identities (equal on every rank for equal structures)."""
+    if isinstance(state, tuple):
+        if len(state) == 3 and state[0] == "id":
+            return ("id", getattr(state[1], "__qualname__", "?"))
+        return tuple(portable_state(s) for s in state)
+    return state
+
+
+def _state_diff(a: Any, b: Any, path: str) -> str:
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 4
+            and a[0] == b[0] == "attrs" and a[1] == b[1]):
+        for name, x, y in zip(a[1], a[2], b[2]):
+            if x != y:
+                return _state_diff(x, y, f"{path}.{name}")
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 3
+            and a[0] == b[0] == "static_cache"):
+        for i, (x, y) in enumerate(zip(a[1], b[1])):
+            for (name, u), (_, v) in zip(x, y):
+                if u != v:
+                    return f"{path}.layers[{i}].{name}"
+        return path
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 3
+            and a[0] == b[0] and a[0] in ("seq", "map") and a[1] == b[1]):
+        for i, (x, y) in enumerate(zip(a[2], b[2])):
+            if x != y:
+                return _state_diff(x, y, f"{path}[{i}]")
+    return path
+
+
+def _walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> Any:
+    """The structure of ``x`` (tensors appended to ``walked``, their slot ``None``)."""
+    counter[0] += 1
+    if counter[0] > _MAX_NODES or depth > _MAX_DEPTH:
+        raise Uncapturable(EagerReason.UNKEYABLE, f"argument object too deep or too large "
+                           f"to key (at {path})")
+    tx = type(x)
+    if tx is _Tensor or isinstance(x, _Tensor):
+        walked.tensors.append(x)
+        walked.paths.append(path)
+        return None
+    if tx is float:
+        return (float, x.hex())
+    if isinstance(x, _VALUES) or isinstance(x, enum.Enum):
+        return (tx, x)
+    if tx is list or tx is tuple:
+        return ("seq", tx, tuple(_walk(v, walked, f"{path}[{i}]", depth + 1, counter)
+                                 for i, v in enumerate(x)))
+    if tx is dict:
+        keys = tuple(x)
+        if not all(isinstance(k, (str, int)) for k in keys):
+            return ("id", tx, id(x))
+        return ("map", keys, tuple(_walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
+                                   for k, v in x.items()))
+    if isinstance(x, type) or (callable(x) and not isinstance(x, torch.nn.Module)):
+        return ("id", tx, id(x))  # a function or a class: by identity
+    attrs = _attributes(x) if not isinstance(x, _UNOPENED) else None
+    if attrs is None:
+        where = f" (at {path})" if depth else ""
+        raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {tx.__qualname__}{where} "
+                           "(tensors, numbers, strings, None, dtypes, devices, containers "
+                           "and objects with attributes are keyed)")
+    names = tuple(attrs)
+    return ("attrs", names, tuple(_walk(v, walked, f"{path}.{k}", depth + 1, counter)
+                                  for k, v in attrs.items()), tx)
+
+
+def _attributes(x: Any) -> dict[str, Any] | None:
+    """The instance attributes of ``x`` (``__dict__`` and filled ``__slots__``), or None
+    for an object without any (keyed by identity then)."""
+    d = getattr(x, "__dict__", None)
+    out: dict[str, Any] = dict(d) if isinstance(d, dict) else {}
+    for cls in type(x).__mro__:
+        for name in cls.__dict__.get("__slots__", ()):
+            if name in ("__dict__", "__weakref__") or name in out:
+                continue
+            try:
+                out[name] = getattr(x, name)
+            except AttributeError:
+                continue
+    if not out and not isinstance(d, dict):
+        return None
+    return out
+
+
+# -- mappings that are no dict (BatchEncoding, UserDict) -----------------------------
+_opened: dict[type, bool] = {}
+
+
+def open_mapping(x: Any) -> bool:
+    """Make pytree open ``x``'s type if it is a mapping that is no dict and rebuilds
+    from its items (``type(x)(dict)``, as ``BatchEncoding`` and ``UserDict`` do): its
+    tensors are then arguments like a dict's (copied into static buffers), and the
+    function receives a mapping of the same type.  True if the type is now opened."""
+    cls = type(x)
+    known = _opened.get(cls)
+    if known is not None:
+        return known
+    ok = False
+    if isinstance(x, Mapping) and not isinstance(x, dict):
+        try:
+            again = cls(dict(x.items()))  # type: ignore[call-arg]
+            ok = type(again) is cls and list(again.keys()) == list(x.keys())
+        except Exception:  # noqa: BLE001 - any failure: keyed as an object instead
+            ok = False
+    if ok:
+        def flatten(m: Any) -> tuple[list[Any], Any]:
+            return list(m.values()), list(m.keys())
+
+        def unflatten(values: Any, keys: Any) -> Any:
+            return cls(dict(zip(keys, values)))  # type: ignore[call-arg]
+
+        try:
+            pytree.register_pytree_node(cls, flatten, unflatten,
+                                        serialized_type_name=f"autograph.{cls.__qualname__}")
+        except ValueError:  # registered meanwhile
+            pass
+    _opened[cls] = ok
+    return ok
+
+
+# -- known types ---------------------------------------------------------------------
+Keyer = Callable[[Any, Walked], Any]
+KEYERS: dict[type, Keyer] = {}
+_checked: set[str] = set()
+
+
+def register(cls: type, keyer: Keyer) -> None:
+    """Key instances of ``cls`` (exactly that type) with ``keyer(obj, walked)``, which
+    returns the structure and appends the object's tensors to ``walked`` (with paths)."""
+    KEYERS[cls] = keyer
+
+
+def _keyer_for(cls: type) -> Keyer | None:
+    keyer = KEYERS.get(cls)
+    if keyer is None and "transformers.cache_utils" not in _checked:
+        if "transformers.cache_utils" in sys.modules:
+            _checked.add("transformers.cache_utils")
+            _register_transformers(sys.modules["transformers.cache_utils"])
+            keyer = KEYERS.get(cls)
+    return keyer
+
+
+def _register_transformers(cache_utils: Any) -> None:
+    """A fast keyer for transformers' ``StaticCache`` of plain ``StaticLayer`` layers
+    (the layout ``generate(cache_implementation="static")`` makes): the same key the
+    general walk gives, built without recursion."""
+    static_cache = getattr(cache_utils, "StaticCache", None)
+    static_layer = getattr(cache_utils, "StaticLayer", None)
+    if static_cache is None or static_layer is None:
+        return
+
+    def key_static(cache: Any, walked: Walked) -> Any:
+        d = cache.__dict__
+        layers = d.get("layers")
+        if type(layers) is not list or any(type(layer) is not static_layer for layer in layers):
+            counter = [0]
+            return _walk(cache, walked, type(cache).__name__, 0, counter)
+        append_t, append_p = walked.tensors.append, walked.paths.append
+        parts = []
+        for i, layer in enumerate(layers):
+            ld = layer.__dict__
+            row: list[Any] = []
+            for name, v in ld.items():
+                if isinstance(v, _Tensor):
+                    append_t(v)
+                    append_p(f"StaticCache.layers[{i}].{name}")
+                    row.append((name, None))
+                elif type(v) is float:
+                    row.append((name, (float, v.hex())))
+                elif isinstance(v, _VALUES):
+                    row.append((name, (type(v), v)))
+                else:
+                    counter = [0]
+                    row.append((name, _walk(v, walked, f"StaticCache.layers[{i}].{name}", 2,
+                                            counter)))
+            parts.append(tuple(row))
+        rest = []
+        for name, v in d.items():
+            if name == "layers":
+                continue
+            counter = [0]
+            rest.append((name, _walk(v, walked, f"StaticCache.{name}", 1, counter)))
+        return ("static_cache", tuple(parts), tuple(rest))
+
+    register(static_cache, key_static)

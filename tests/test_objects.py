@@ -1,0 +1,226 @@
+"""Arguments that are objects holding tensors (objects.py), and graphed(model)'s own
+methods (generate), on the CPU stand-in; transformers tests skip without it."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+from autograph.keys import key_call
+from autograph.modes import modes
+from autograph.objects import ObjectKey
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+class KV:
+    """A cache shaped like transformers' StaticLayer: device tensors written in place,
+    a device counter, a flag and a length."""
+
+    def __init__(self, n=8, d=4):
+        self.keys = torch.zeros(n, d)
+        self.length = torch.zeros((), dtype=torch.long)
+        self.is_initialized = True
+        self.max_len = n
+
+
+class Step(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        pos = torch.arange(x.shape[0]) + cache.length
+        cache.keys.index_copy_(0, pos, self.fc(x))
+        cache.length.add_(x.shape[0])
+        return cache.keys.sum(0), cache
+
+
+def _key(*args, **kwargs):
+    return key_call(args, kwargs, modes, lambda: None)[0]
+
+
+def test_object_key_by_structure_address_and_scalars():
+    a, b = KV(), KV()
+    ka, kb = _key(torch.ones(1), a), _key(torch.ones(1), b)
+    assert isinstance(ka.leaves[1], ObjectKey)
+    assert ka != kb  # other addresses
+    assert ka == _key(torch.ones(1), a)
+    a.max_len = 9
+    assert ka != _key(torch.ones(1), a)  # a scalar, by value
+    assert ka.digest() == kb.digest()  # addresses left out of the portable digest
+
+
+def test_cache_object_replays_and_writes_the_callers_cache():
+    model = Step()
+    g = autograph.graphed(model)
+    eager_cache, cache = KV(), KV()
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(1, 4)
+            want, _ = model(x, eager_cache)
+            got, back = g(x, cache)
+            assert back is cache
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(cache.keys, eager_cache.keys)
+            assert int(cache.length) == int(eager_cache.length)
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["replays"] == 3, s
+
+
+def test_lazy_allocation_runs_eagerly_then_the_initialized_cache_is_graphed():
+    class Lazy:
+        def __init__(self):
+            self.keys = None
+            self.length = torch.zeros((), dtype=torch.long)
+
+    class M(nn.Module):
+        def forward(self, x, cache):
+            if cache.keys is None:
+                cache.keys = torch.zeros(8, 4)  # allocated on first use
+            cache.keys.index_copy_(0, torch.arange(1) + cache.length, x)
+            cache.length.add_(1)
+            return cache.keys * 2
+
+    m = M()
+    g = autograph.graphed(m)
+    ce, cg = Lazy(), Lazy()
+    with torch.no_grad():
+        for _ in range(7):
+            x = torch.randn(1, 4)
+            torch.testing.assert_close(g(x, cg), m(x, ce))
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["replays"] >= 3, s
+
+
+def test_rebinding_a_scalar_every_call_runs_eagerly_with_the_attribute_named():
+    @dataclasses.dataclass
+    class State:
+        t: torch.Tensor
+        step: int = 0
+
+    @autograph.graphed(warmup=1)
+    def f(x, state):
+        state.step += 1
+        return x + state.t * state.step
+
+    state, ref = State(torch.ones(2)), State(torch.ones(2))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2)
+            ref.step += 1
+            torch.testing.assert_close(f(x, state), x + ref.t * ref.step)
+    assert state.step == 4
+    s = autograph.stats(f)
+    assert s["captures"] == 0 and s["eager"] == 4
+
+
+def test_unkeyable_nested_value_names_its_path():
+    class Holder:
+        def __init__(self):
+            self.items = {1, 2}
+
+    @autograph.graphed
+    def f(x, h):
+        return x + len(h.items)
+
+    with torch.no_grad():
+        f(torch.ones(1), Holder())
+    details = autograph.stats(f)["eager_details"]["unkeyable_argument"]
+    assert any("Holder.items" in d for d in details), details
+
+
+def test_graphed_module_graphs_the_calls_its_own_methods_make():
+    class Predictor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+        def predict(self, x, steps):
+            for _ in range(steps):
+                x = self(x).tanh()
+            return x
+
+    m = Predictor()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(g.predict(x, 6), m.predict(x, 6))
+    s = autograph.stats(g)
+    assert s["calls"] == 6 and s["replays"] == 3, s
+    assert g.state_dict().keys() == m.state_dict().keys()  # nn.Module's own API unwrapped
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny(kind):
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(intermediate_size=64, num_key_value_heads=2,
+                                       max_position_embeddings=128, **common)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+                                      n_positions=128)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cfg = transformers.Qwen2Config(intermediate_size=64, num_key_value_heads=2,
+                                   max_position_embeddings=128, **common)
+    return transformers.Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_with_a_static_cache_in_a_region(kind, batch):
+    model = _tiny(kind)
+    ids = torch.randint(1, 96, (batch, 5))
+    mask = torch.ones(batch, 5, dtype=torch.long)
+    if batch > 1:
+        mask[0, :2] = 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+              cache_implementation="static", disable_compile=True)
+    want = model.generate(ids, **kw)
+    with autograph.capture_region() as region:
+        got = model.generate(ids, **kw)
+    assert torch.equal(got, want)
+    (s,) = region.stats().values()
+    assert s["calls"] == 10 and s["captures"] == 1 and s["replays"] == 6, s
+
+
+def test_graphed_model_generate_is_graphed():
+    model = _tiny("llama")
+    ids = torch.randint(1, 96, (1, 4))
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
+              cache_implementation="static", disable_compile=True)
+    want = model.generate(ids, **kw)
+    g = autograph.graphed(model)
+    assert torch.equal(g.generate(ids, **kw), want)
+    s = autograph.stats(g)
+    assert s["calls"] == 8 and s["replays"] == 4, s
+
+
+def test_sentence_transformers_encode_with_buckets(monkeypatch):
+    pytest.importorskip("sentence_transformers")
+    import transformers.masking_utils as masking
+
+    from .gpu.models import sentence_transformer, sentences
+
+    # a real capture makes transformers skip its data-dependent mask check
+    # (is_cuda_stream_capturing); the stand-in's capture is no CUDA capture
+    monkeypatch.setattr(masking, "is_tracing", lambda tensor=None: True)
+    st = sentence_transformer()
+    batches = [sentences(n, seed=n) for n in (3, 2, 3, 4)]
+    want = [st.encode(b, convert_to_tensor=True) for b in batches]
+    with autograph.capture_region(buckets=[4]) as region:
+        got = [st.encode(b, convert_to_tensor=True) for b in batches for _ in range(2)]
+    for i, w in enumerate(want):
+        torch.testing.assert_close(got[2 * i], w)
+        torch.testing.assert_close(got[2 * i + 1], w)
+    (s,) = region.stats().values()
+    assert s["replays"] >= 1 and s["eager_reasons"].keys() <= {"warmup"}, s

@@ -122,7 +122,7 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
         if tdev == device:
             version = None
         elif host and tdev.type == "cpu":
-            version = t._version
+            version = _host_version(t, path)
         else:
             raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{path} is on {tdev}, the call "
                                f"on {device}")
@@ -333,3 +333,14 @@ def _register_transformers(cache_utils: Any) -> None:
         return ("static_cache", tuple(parts), tuple(rest))
 
     register(static_cache, key_static)
+
+
+def _host_version(t: torch.Tensor, path: str) -> Any:
+    """What tells a host tensor's contents apart between calls: its version counter, or,
+    for an inference tensor (which has none), its value when it is a scalar."""
+    if not t.is_inference():
+        return t._version
+    if t.numel() <= 1:
+        return ("value", t.item())
+    raise Uncapturable(EagerReason.UNKEYABLE, f"{path}: a host inference tensor of "
+                       f"{t.numel()} elements (its changes cannot be seen)")

@@ -74,12 +74,14 @@ def test_vision_model_with_buckets(lib):
     else:
         tv = pytest.importorskip("torchvision")
         model = tv.models.mobilenet_v3_small(weights=None, num_classes=10)
-    model = model.cuda().eval()
+    model = model.cuda().eval().to(memory_format=torch.channels_last)
     g = autograph.graphed(model, buckets=[2, 4, 8])
     with torch.no_grad():
-        for n in (1, 3, 5, 8, 2, 3, 7):
-            x = torch.randn(n, 3, 64, 64, device="cuda")
+        for n in (1, 3, 5, 8, 2, 3, 7) * 4:
+            x = torch.randn(n, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
             torch.testing.assert_close(g(x), model(x), rtol=1e-3, atol=1e-3)
     s = autograph.stats(g)
-    print(f"\n{lib}: {s['replays']}/{s['calls']} replayed, {s['captures']} captures")
-    assert s["replays"] >= 2, s
+    print(f"\n{lib}: {s['replays']}/{s['calls']} replayed, {s['captures']} captures, "
+          f"{s['graphs']} graphs")
+    assert s["replays"] >= s["calls"] // 2, s
+    assert s["graphs"] <= 3, s  # one per bucket: padded calls keep channels_last

@@ -78,6 +78,8 @@ def test_transformers_model_in_a_region():
     s = one(region.stats())
     assert s["replays"] >= 10, s
     with torch.inference_mode(), autograph.capture_region() as cached:
-        model.generate(prompt, max_new_tokens=4, do_sample=False)
-    reasons = one(cached.stats())["eager_reasons"]
-    assert "unkeyable_argument" in reasons, reasons
+        out = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(prompt, max_new_tokens=4, do_sample=False))
+    s = one(cached.stats())
+    # a DynamicCache grows every step: each call is a new key, warmed up, never replayed
+    assert s["replays"] == 0 and s["eager"] == s["calls"], s

@@ -71,7 +71,7 @@ def test_one_graphed_function_fed_from_both_devices():
             torch.testing.assert_close(out, torch.tanh(x @ ws[d]) + x.sum())
     s = autograph.stats(f)
     assert s["captures"] == 2 and s["replays"] == 6, s
-    devices = {e.graph.device for e in f._self_engine.cache.entries.values()}
+    devices = {e.graph.device for e in f._self_dispatch.handle.engine.cache.entries.values()}
     assert devices == {torch.device("cuda", 0), torch.device("cuda", 1)}
 
 

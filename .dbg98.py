@@ -1,6 +1,7 @@
 import sys; sys.path.insert(0, ".")
-import torch, autograph
+import autograph
 from tests import fuzz
+
 log = []
 
 

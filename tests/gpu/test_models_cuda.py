@@ -32,6 +32,12 @@ def test_generate_static_cache_in_a_region(kind, batch):
     decode = s["calls"] - 2  # one prefill per generate
     print(f"\n{kind} b{batch}: {s['replays']}/{decode} decode calls replayed, "
           f"{s['captures']} captures, eager {s['eager_reasons']}")
+    if kind == "mistral":
+        # a sliding-window cache advances a Python int (cumulative_length_int) every step,
+        # so every step is a new key: the calls run eagerly, and after 64 new keys the
+        # region's module stops trying (tokens still identical, asserted above)
+        assert s["eager_reasons"].get("given_up", 0) > 0, s
+        return
     assert s["replays"] >= 0.9 * decode, s
 
 

@@ -22,12 +22,13 @@ from typing import Any, Concatenate, ParamSpec, Protocol, TextIO, TypeVar, overl
 from torch import nn
 
 from . import stats as _stats
+from .lookup import reset
+from .lookup import stats_of as _stats_of
 from .options import Options
 from .region import Region
 from .switch import disabled
 from .vocab import EagerReason
-from .wrappers import reset, wrap
-from .wrappers import stats_of as _stats_of
+from .wrappers import wrap
 
 __version__ = "0.1.0"
 __all__ = [
@@ -255,7 +256,7 @@ def warmup(
     ``graph_memory_bytes`` and, when not captured, ``reason``.
     """
     from .ahead import warmup as _warmup
-    from .wrappers import handle_of
+    from .lookup import handle_of
 
     return _warmup(fn, args, kwargs, handle_of(fn), batch_sizes, plan)
 
@@ -287,7 +288,7 @@ def report(obj: Any = None, *, file: TextIO | None = None) -> None:
 
 
 def _stats_name(obj: Any) -> str:
-    from .wrappers import name_of
+    from .lookup import name_of
 
     return name_of(obj)
 

@@ -31,18 +31,27 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from . import switch as _switch
-from .capture import backend_for
 from .dispatch import Engine
 from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
-from .verify import tolerance
+from .padding import (
+    Batch,
+    arg_of,
+    compare,
+    compare_writes,
+    copies,
+    empty_in_layout,
+    graphable,
+    out_dim,
+    rows_of,
+    size_of,
+    slice_back,
+    tensors_of,
+)
 from .vocab import EagerReason, Uncapturable, logger
-
-Batch = list[tuple[str | int, torch.Tensor, int]]  # (position or name, tensor, batch dim)
 
 
 class Learned:
@@ -88,7 +97,7 @@ class Bucketer:
         learned = self._learned.get(context) if context is not None else None
         learning = learned is None and context is not None
         batch = self._batch_args(args, kwargs, learned) if learned and not learned.unsafe else []
-        real = _rows(batch) if batch and _graphable(batch[0][1].device) else 0
+        real = rows_of(batch) if batch and graphable(batch[0][1].device) else 0
         if self.ranks is None:
             if learning:
                 return self._learn(context, args, kwargs)
@@ -125,8 +134,8 @@ class Bucketer:
             out = self.engine.dispatch(args, kwargs)
         else:
             padded_args, padded_kwargs = self._pad(args, kwargs, batch, size)
-            out = _slice(self.engine.dispatch(padded_args, padded_kwargs), size, real,
-                         _out_dim(batch))
+            out = slice_back(self.engine.dispatch(padded_args, padded_kwargs), size, real,
+                         out_dim(batch))
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
         return out
 
@@ -242,7 +251,7 @@ class Bucketer:
             real = t.shape[dim]
             shape = list(t.shape)
             shape[dim] = size
-            padded = _empty_in_layout(t, shape)
+            padded = empty_in_layout(t, shape)
             padded.narrow(dim, 0, real).copy_(t)
             padded.narrow(dim, real, size - real).fill_(self._option(self.pads, key, 0))
             if isinstance(key, int):
@@ -259,7 +268,7 @@ class Bucketer:
         for key in (*range(len(plain_args)), *plain_kwargs):
             if key not in written and self._name(key) not in written:
                 continue
-            a, b = _arg(plain_args, plain_kwargs, key), _arg(pad_args, pad_kwargs, key)
+            a, b = arg_of(plain_args, plain_kwargs, key), arg_of(pad_args, pad_kwargs, key)
             if isinstance(a, torch.Tensor) and a.is_floating_point():
                 noise = torch.randn_like(a)
                 a.copy_(noise)
@@ -269,58 +278,28 @@ class Bucketer:
     def _padding_is_safe(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
                          size: int, learned: Learned) -> bool:
         """Run the call eagerly as it is and padded, on copies; compare what it computes."""
-        real = _size(batch[0][1], batch[0][2])
-        plain_args, plain_kwargs = _copies(args, kwargs)
-        pad_args, pad_kwargs = _copies(args, kwargs)
+        real = size_of(batch[0][1], batch[0][2])
+        plain_args, plain_kwargs = copies(args, kwargs)
+        pad_args, pad_kwargs = copies(args, kwargs)
         self._poison_written(learned.written, plain_args, plain_kwargs, pad_args, pad_kwargs)
-        pad_batch = [(k, _arg(pad_args, pad_kwargs, k), d) for k, _, d in batch]
+        pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
         padded_args, padded_kwargs = self._pad(pad_args, pad_kwargs, pad_batch, size)
         eager = self.engine.eager
         try:
             with torch.no_grad():
                 expect = eager(plain_args, plain_kwargs)
-                got = _slice(eager(padded_args, padded_kwargs), size, real, _out_dim(batch))
+                got = slice_back(eager(padded_args, padded_kwargs), size, real, out_dim(batch))
         except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
             problem: str | None = f"the padded call raised {type(exc).__name__}"
         else:
-            problem = _compare(expect, got) or _compare_writes(
-                _tensors(plain_args, plain_kwargs), _tensors(pad_args, pad_kwargs)
+            problem = compare(expect, got) or compare_writes(
+                tensors_of(plain_args, plain_kwargs), tensors_of(pad_args, pad_kwargs)
             )
         if problem is None:
             learned.verified.add(size)
             return True
         self._turn_off(learned, f"padding changes results ({problem})")
         return False
-
-
-def _out_dim(batch: Batch) -> int:
-    dims = {d for _, _, d in batch}
-    return dims.pop() if len(dims) == 1 else 0
-
-
-def _empty_in_layout(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    """An empty tensor of ``shape`` whose dimensions are laid out in ``t``'s order
-    (a channels-last batch pads to a channels-last batch, and keeps its key)."""
-    strides_now = t.stride()
-    order = sorted(range(t.dim()), key=lambda d: (-strides_now[d], d))
-    strides = [0] * t.dim()
-    step = 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= max(shape[d], 1)
-    return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
-
-
-def _rows(batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
-    """The batch size all batch arguments agree on, or 0 when they disagree."""
-    real = batch[0][1].shape[batch[0][2]]
-    return real if all(t.shape[d] == real for _, t, d in batch) else 0
-
-
-def _graphable(device: torch.device) -> bool:
-    """Whether calls on ``device`` can be graphed at all (padding for an eager run would
-    only cost time)."""
-    return backend_for(device) is not None
 
 
 def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
@@ -332,67 +311,3 @@ def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
     names = [p.name for p in params
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return names[1:] if skip_self and names else names
-
-
-def _size(t: torch.Tensor, dim: int) -> int:
-    return int(t.shape[dim])
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int) -> Any:
-    return args[key] if isinstance(key, int) else kwargs[key]
-
-
-def _slice(out: Any, size: int, real: int, dim: int) -> Any:
-    if type(out) is torch.Tensor:  # the common case, without a pytree walk
-        return out.narrow(dim, 0, real) if out.dim() > dim and out.shape[dim] == size else out
-
-    def cut(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == size:
-            return x.narrow(dim, 0, real)
-        return x
-
-    return pytree.tree_map(cut, out)
-
-
-def _copies(args: tuple[Any, ...], kwargs: dict[str, Any]
-            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    def copy(x: Any) -> Any:
-        return x.detach().clone() if isinstance(x, torch.Tensor) else x
-
-    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-
-
-def _compare(expect: Any, got: Any) -> str | None:
-    a, spec_a = pytree.tree_flatten(expect)
-    b, spec_b = pytree.tree_flatten(got)
-    if spec_a != spec_b:
-        return "outputs differ in structure"
-    for x, y in zip(a, b):
-        if isinstance(x, torch.Tensor):
-            if not isinstance(y, torch.Tensor) or x.shape != y.shape:
-                return "an output changes shape"
-            if not _close(x, y):
-                return "real rows of an output change"
-    return None
-
-
-def _compare_writes(plain: list[torch.Tensor], padded: list[torch.Tensor]) -> str | None:
-    """Arguments that are not padded must end up exactly as the real call leaves them:
-    padded rows may not write into a cache or table."""
-    for p, q in zip(plain, padded):
-        if p.shape == q.shape and not _close(p, q):
-            return "padded rows write into an argument"
-    return None
-
-
-def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.dtype != y.dtype:
-        return False
-    if x.is_floating_point() or x.is_complex():
-        tol = tolerance(x.dtype)
-        return bool(torch.allclose(x, y, rtol=tol, atol=tol, equal_nan=True))
-    return bool(torch.equal(x, y))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import gate, lifecycle
+from . import gate, lifecycle, verify
 from . import switch as _switch
 from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
@@ -27,7 +27,7 @@ from .modes import grad_enabled, modes
 from .options import Options
 from .ranks import Ranks
 from .stats import Stats
-from .verify import Verifier, every_from_env
+from .verify import every_from_env
 from .vocab import Action, EagerReason, State, Uncapturable, logger
 
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
@@ -357,9 +357,8 @@ class Engine:
 
     def _verified(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
         captured = entry.graph
-        written = self.cache.inplace.get(_base_of(self.cache, entry), ())
-        verifier = Verifier(self.eager)  # made per check: the engine holds no cycle
-        result, problem = verifier.check(run, flat, written, captured.state_written)
+        result, problem = verify.check(self.eager, run, flat, captured.inplace,
+                                       captured.state_written)
         self.stats.verifications += 1
         if problem is None:
             self.stats.count_replay()
@@ -397,13 +396,6 @@ def _find_backend(device: torch.device) -> tuple[Any, Backend, Callable[[], bool
     if backend is None:
         raise Uncapturable(EagerReason.DEVICE, f"inputs on {device.type}")
     return device, backend, backend.capturing(device)
-
-
-def _base_of(cache: GraphCache, entry: Entry) -> GraphKey:
-    for key, e in cache.entries.items():
-        if e is entry:
-            return key.base()
-    raise KeyError("entry not in cache")
 
 
 def _same_options(a: Options, b: Options) -> bool:

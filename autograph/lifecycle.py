@@ -138,11 +138,12 @@ class Captured:
     """A captured graph with everything its replay needs."""
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
-                 "state_written")
+                 "state_written", "inplace")
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,
-                 hidden: list[torch.Tensor], state_written: list[torch.Tensor]) -> None:
+                 hidden: list[torch.Tensor], state_written: list[torch.Tensor],
+                 inplace: tuple[int, ...]) -> None:
         self.graph = graph
         self.static = static
         self.build = build
@@ -152,6 +153,7 @@ class Captured:
         self.seeded = seeded  # random operators ran: replays draw new numbers
         self.hidden = hidden
         self.state_written = state_written  # parameters and buffers the graph writes
+        self.inplace = inplace  # argument positions captured at the caller's address
 
     def synchronize(self) -> None:
         self.backend.synchronize(self.device)
@@ -222,7 +224,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     build = output_builder(out, leaves, static, inplace, watch.storage_ptrs())
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
     return Captured(graph, static, build, backend, device, recorder.seeded,
-                    list(recorder.hidden.values()), state_written)
+                    list(recorder.hidden.values()), state_written, inplace)
 
 
 def hand_back(captured: Captured, leaves: list[Any], missed: list[int]) -> None:

@@ -76,37 +76,33 @@ def _tensor_difference(x: torch.Tensor, y: Any) -> str | None:
     return f"max abs difference {diff:.3g} (tolerance {tol:g})"
 
 
-class Verifier:
-    """Checks one replay; ``check`` returns the call's result and a problem or None."""
-
-    def __init__(self, eager: Callable[[tuple[Any, ...], dict[str, Any]], Any]) -> None:
-        self.eager = eager  # runs the original function (under the watch)
-
-    def check(self, run: Callable[[Any], Any], flat: Flat, written: tuple[int, ...],
-              state: list[torch.Tensor]) -> tuple[Any, str | None]:
-        leaves = list(flat.leaves)
-        before = {i: leaves[i].detach().clone() for i in flat.tensor_pos}
-        state_before = [t.detach().clone() for t in state]
-        result = run(flat.leaves)
-        state_graph = [t.detach().clone() for t in state]
-        _restore(state, state_before)
-        copies = list(leaves)
-        for i, t in before.items():
-            copies[i] = t.clone()
-        expect = self.eager(*flat.rebuild(copies))
-        problem = largest_difference(expect, result)
-        for i in written:
-            problem = problem or _prefixed(f"argument {i}", _tensor_difference(copies[i],
-                                                                               leaves[i]))
-        for n, (now, graph) in enumerate(zip(state, state_graph)):
-            problem = problem or _prefixed(f"state {n}", _tensor_difference(now, graph))
-        if problem is None:
-            return result, None
-        for i in written:  # undo what the replay wrote, then run eagerly for real
-            with torch.no_grad():
-                leaves[i].copy_(before[i])
-        _restore(state, state_before)
-        return self.eager(*flat.call()), problem
+def check(eager: Callable[[tuple[Any, ...], dict[str, Any]], Any], run: Callable[[Any], Any],
+          flat: Flat, written: tuple[int, ...], state: list[torch.Tensor]
+          ) -> tuple[Any, str | None]:
+    """Replay with ``run``, then run ``eager`` (the original call, uncounted) on copies
+    and compare; returns the call's result and the largest difference, or None."""
+    leaves = list(flat.leaves)
+    before = {i: leaves[i].detach().clone() for i in flat.tensor_pos}
+    state_before = [t.detach().clone() for t in state]
+    result = run(flat.leaves)
+    state_graph = [t.detach().clone() for t in state]
+    _restore(state, state_before)
+    copies = list(leaves)
+    for i, t in before.items():
+        copies[i] = t.clone()
+    expect = eager(*flat.rebuild(copies))
+    problem = largest_difference(expect, result)
+    for i in written:
+        problem = problem or _prefixed(f"argument {i}", _tensor_difference(copies[i], leaves[i]))
+    for n, (now, graph) in enumerate(zip(state, state_graph)):
+        problem = problem or _prefixed(f"state {n}", _tensor_difference(now, graph))
+    if problem is None:
+        return result, None
+    for i in written:  # undo what the replay wrote, then run eagerly for real
+        with torch.no_grad():
+            leaves[i].copy_(before[i])
+    _restore(state, state_before)
+    return eager(*flat.call()), problem
 
 
 def _restore(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:

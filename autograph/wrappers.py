@@ -20,13 +20,11 @@ from typing import Any, SupportsIndex
 import wrapt
 from torch import nn
 
-from . import stats as _stats
 from .dispatch import Engine
 from .engines import (
     Handle,
     check_argument_keys,
     live_engines,
-    live_handles,
     make_engine,
     make_module_engine,
 )
@@ -127,10 +125,13 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
     def reset(self) -> None:
         """Drop the graphs of this instance's method (of every instance, looked up on the
         class)."""
-        if self._self_instance is None:
+        instance = self._self_instance
+        if instance is None:
             self._self_parent.reset()
-        else:
-            reset(self)
+            return
+        item = self._self_parent._self_dispatch.instances.get(id(instance))
+        if item is not None and item[0]() is instance:
+            item[1].engine.reset()
 
     @property
     def __func__(self) -> Any:  # as for a method: what the class holds, the graphed function
@@ -363,109 +364,3 @@ def _takes_self(fn: Any, obj: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return first in ("self", "cls")
-
-
-def _bound_handle(obj: Any, make: bool) -> Handle | None:
-    """The handle of a graphed function bound to an instance: ``model.forward`` where
-    forward is decorated, or ``graphed(lin.forward)``; made now if ``make``."""
-    parent = _graphed_parent(obj)
-    if parent is not None and obj._self_instance is not None:
-        dispatch, instance = parent._self_dispatch, obj._self_instance
-    elif isinstance(obj, GraphedFunction) and obj._self_dispatch.bound:
-        dispatch, instance = obj._self_dispatch, _bound_self(obj.__wrapped__)
-    else:
-        return None
-    item = dispatch.instances.get(id(instance))
-    if item is None or item[0]() is not instance:
-        if not make:
-            return None
-        item = dispatch._instance_engine(instance)
-    return item[1]
-
-
-def _is_graphed(obj: Any) -> bool:
-    return isinstance(obj, GraphedFunction) or _graphed_parent(obj) is not None
-
-
-def _engines_of(obj: Any) -> list[Engine]:
-    if isinstance(obj, GraphedModule):
-        return [obj._self_engine]
-    parent = _graphed_parent(obj)
-    if parent is not None:
-        if obj._self_instance is None:  # looked up on the class: every instance's
-            return parent._self_dispatch.engines()
-        handle = _bound_handle(obj, make=False)
-        return [handle.engine] if handle is not None else []
-    if isinstance(obj, GraphedFunction):
-        return obj._self_dispatch.engines()
-    return [e for e in live_engines() if any(r is obj for r in e.watch.roots())]
-
-
-def handle_of(obj: Any) -> Handle:
-    """The handle that a call of ``obj`` runs through, made now if it does not exist yet
-    (a graphed function, a wrapper, or a module whose forward is graphed)."""
-    if isinstance(obj, GraphedModule):
-        return obj._self_handle  # type: ignore[no-any-return]
-    bound = _bound_handle(obj, make=True)
-    if bound is not None:
-        return bound
-    if isinstance(obj, GraphedFunction):
-        dispatch = obj._self_dispatch
-        return dispatch.handle or dispatch._function_engine(obj.__wrapped__)
-    forward = inspect.getattr_static(type(obj), "forward", None)
-    if isinstance(forward, GraphedFunction):
-        dispatch = forward._self_dispatch
-        item = dispatch.instances.get(id(obj))
-        if item is None or item[0]() is not obj:
-            item = dispatch._instance_engine(obj)
-        return item[1]
-    handles = [h for h in live_handles() if any(r is obj for r in h.engine.watch.roots())]
-    if len(handles) == 1:  # a module a region has graphed
-        return handles[0]
-    raise TypeError(f"autograph: {type(obj).__qualname__} is not graphed")
-
-
-def name_of(obj: Any) -> str:
-    """The name ``stats()`` lists a graphed object under (its qualified name when its
-    counters are summed over several instances)."""
-    engines = _engines_of(obj)
-    if len(engines) == 1:
-        return engines[0].stats.name
-    return getattr(obj, "__qualname__", type(obj).__qualname__)
-
-
-def stats_of(obj: Any) -> dict[str, Any]:
-    """The counters of one graphed object (summed over instances for a method)."""
-    engines = _engines_of(obj)
-    if not engines:
-        if _is_graphed(obj):  # not called yet
-            return _stats.Stats("").snapshot()
-        raise TypeError(f"autograph.stats: {type(obj).__qualname__} is not graphed")
-    if len(engines) == 1:
-        return engines[0].stats.snapshot()
-    total: dict[str, Any] = {}
-    for engine in engines:
-        for k, v in engine.stats.snapshot().items():
-            if isinstance(v, dict):
-                merged = total.setdefault(k, {})
-                for r, n in v.items():
-                    merged[r] = merged.get(r, 0) + n
-            elif isinstance(v, (int, float)):
-                total[k] = total.get(k, 0) + v
-            elif total.get(k) is None:  # a note such as "padding": the first one given
-                total[k] = v
-    return total
-
-
-def reset(obj: Any = None) -> None:
-    """Drop graphs: of ``obj`` (a graphed function, module, or a module whose forward is
-    graphed), or of every graphed callable when ``obj`` is None."""
-    if obj is None:
-        for engine in live_engines():
-            engine.reset()
-        return
-    engines = _engines_of(obj)
-    if not engines and not _is_graphed(obj):
-        raise TypeError(f"autograph.reset: {type(obj).__qualname__} is not graphed")
-    for engine in engines:
-        engine.reset()

@@ -145,7 +145,7 @@ def test_object_changed_by_every_call_runs_eagerly():
             assert torch.equal(f(torch.zeros(1), c), torch.tensor([i + 1.0]))
     s = stats_of(f)
     assert s["captures"] == 0 and s["eager"] == 3
-    from autograph.wrappers import _engines_of
+    from autograph.lookup import _engines_of
 
     (engine,) = _engines_of(f)
     details = {e.detail for e in engine.cache.entries.values()}

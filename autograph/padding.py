@@ -1,0 +1,107 @@
+"""Padding a batch and checking that padding is safe: the tensor work behind buckets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import backend_for
+from .verify import tolerance
+
+Batch = list[tuple[str | int, torch.Tensor, int]]  # (position or name, tensor, batch dim)
+
+
+def out_dim(batch: Batch) -> int:
+    dims = {d for _, _, d in batch}
+    return dims.pop() if len(dims) == 1 else 0
+
+
+def empty_in_layout(t: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dimensions are laid out in ``t``'s order
+    (a channels-last batch pads to a channels-last batch, and keeps its key)."""
+    strides_now = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: (-strides_now[d], d))
+    strides = [0] * t.dim()
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device)
+
+
+def rows_of(batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
+    """The batch size all batch arguments agree on, or 0 when they disagree."""
+    real = batch[0][1].shape[batch[0][2]]
+    return real if all(t.shape[d] == real for _, t, d in batch) else 0
+
+
+def graphable(device: torch.device) -> bool:
+    """Whether calls on ``device`` can be graphed at all (padding for an eager run would
+    only cost time)."""
+    return backend_for(device) is not None
+
+
+def size_of(t: torch.Tensor, dim: int) -> int:
+    return int(t.shape[dim])
+
+
+def arg_of(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def slice_back(out: Any, size: int, real: int, dim: int) -> Any:
+    if type(out) is torch.Tensor:  # the common case, without a pytree walk
+        return out.narrow(dim, 0, real) if out.dim() > dim and out.shape[dim] == size else out
+
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == size:
+            return x.narrow(dim, 0, real)
+        return x
+
+    return pytree.tree_map(cut, out)
+
+
+def copies(args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def copy(x: Any) -> Any:
+        return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+    return tuple(copy(a) for a in args), {k: copy(v) for k, v in kwargs.items()}
+
+
+def tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+
+
+def compare(expect: Any, got: Any) -> str | None:
+    a, spec_a = pytree.tree_flatten(expect)
+    b, spec_b = pytree.tree_flatten(got)
+    if spec_a != spec_b:
+        return "outputs differ in structure"
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.shape != y.shape:
+                return "an output changes shape"
+            if not _close(x, y):
+                return "real rows of an output change"
+    return None
+
+
+def compare_writes(plain: list[torch.Tensor], padded: list[torch.Tensor]) -> str | None:
+    """Arguments that are not padded must end up exactly as the real call leaves them:
+    padded rows may not write into a cache or table."""
+    for p, q in zip(plain, padded):
+        if p.shape == q.shape and not _close(p, q):
+            return "padded rows write into an argument"
+    return None
+
+
+def _close(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.dtype != y.dtype:
+        return False
+    if x.is_floating_point() or x.is_complex():
+        tol = tolerance(x.dtype)
+        return bool(torch.allclose(x, y, rtol=tol, atol=tol, equal_nan=True))
+    return bool(torch.equal(x, y))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import gate, lifecycle, verify
+from . import stats as _stats
 from . import switch as _switch
 from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
@@ -35,6 +36,7 @@ _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled"
 _NO_RANGE = contextlib.nullcontext()
 record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
+_nesting = lifecycle.nested_block
 
 # When a callable stops trying: this many keys given up after failed captures with no
 # replay ever, or this many new keys in a row without a replay (keys that never repeat).
@@ -154,9 +156,10 @@ class Engine:
     def _key(self, args: tuple[Any, ...], kwargs: dict[str, Any]
              ) -> tuple[GraphKey, Flat, Backend, torch.device]:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
-        if _is_nested():
+        if _nesting.active and _is_nested():
             raise Uncapturable(EagerReason.NESTED)
-        self.check_guards()  # first: the key reads the watched modules' training flags
+        if not self.watch.ok():  # first: the key reads the watched modules' training flags
+            self.check_guards()
         key, flat, device = key_call(args, kwargs, modes, self.training)
         last = self._device
         if last[0] != device:
@@ -350,7 +353,10 @@ class Engine:
                 result = run(flat.leaves)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self._replay_failed(entry, exc, flat)
-        self.stats.count_replay()
+        stats = self.stats
+        stats.replays += 1
+        if _stats._observers:
+            stats.notify("replay")
         self._fresh = 0
         self.cache.uses = entry.used = self.cache.uses + 1  # a stamp: races are harmless
         return result

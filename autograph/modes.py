@@ -13,7 +13,6 @@ into the key, so flipping a flag selects another graph instead of replaying a st
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -64,28 +63,29 @@ else:  # pragma: no cover - torch before the fp32_precision API
              _safe(_read("_get_float32_matmul_precision")))
     _CPU_PRECISION = (_safe(_read("_get_float32_matmul_precision")),)
 
-# Flags that change results, per device type (each a zero-argument reader): TF32,
-# reduced-precision reductions and accumulation, deterministic algorithms, default dtype.
-_COMMON = (_read("_get_deterministic_algorithms"), _default_dtype)
-_FLAGS = {
-    "cuda": (*_TF32, _read("_get_cublas_allow_fp16_reduced_precision_reduction"),
-             _read("_get_cublas_allow_bf16_reduced_precision_reduction"),
-             _read("_get_cublas_allow_fp16_accumulation"),
-             _read("_get_cudnn_deterministic"), *_COMMON),
-}
-_OTHER = (*_CPU_PRECISION, *_COMMON)
-_call = operator.call if hasattr(operator, "call") else (lambda f: f())
+# Flags that change results (each a zero-argument reader): TF32, reduced-precision
+# reductions and accumulation, deterministic algorithms (global and cuDNN's).
+_matmul, _conv, _rnn = _TF32
+_cpu_matmul = _CPU_PRECISION[0]
+_fp16_reduction = _read("_get_cublas_allow_fp16_reduced_precision_reduction")
+_bf16_reduction = _read("_get_cublas_allow_bf16_reduced_precision_reduction")
+_fp16_accumulation = _read("_get_cublas_allow_fp16_accumulation")
+_cudnn_deterministic = _read("_get_cudnn_deterministic")
+_deterministic = _read("_get_deterministic_algorithms")
 
 
 def modes(device: torch.device) -> tuple[Any, ...]:
     """What a graph on ``device`` bakes in of the global state, as one hashable tuple:
-    ``(grad, inference, autocast dtype or False, numerics flags...)``."""
+    ``(grad, inference, autocast dtype or False, numerics flags...)``.  Written out, not
+    looped: it runs on every call."""
     kind = device.type
-    return (
-        _grad_enabled(), _inference_mode(),
-        _any_autocast() and _autocast(kind) and _get_dtype(kind),
-        *map(_call, _FLAGS.get(kind, _OTHER)),
-    )
+    autocast = _any_autocast() and _autocast(kind) and _get_dtype(kind)
+    if kind == "cuda":
+        return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
+                _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
+                _cudnn_deterministic(), _deterministic(), _default_dtype())
+    return (_grad_enabled(), _inference_mode(), autocast, _cpu_matmul(), _deterministic(),
+            _default_dtype())
 
 
 def grad_enabled(key_modes: tuple[Any, ...]) -> bool:

@@ -101,6 +101,10 @@ class Stats:
         if _observers:
             _notify(self, "replay")
 
+    def notify(self, what: str) -> None:
+        """Tell this thread's observer (a region) what a call did."""
+        _notify(self, what)
+
     def count_capture(self) -> None:
         """Tell observers of a capture (``captures`` itself is counted by the engine)."""
         if _observers:

@@ -82,14 +82,14 @@ def check(eager: Callable[[tuple[Any, ...], dict[str, Any]], Any], run: Callable
     """Replay with ``run``, then run ``eager`` (the original call, uncounted) on copies
     and compare; returns the call's result and the largest difference, or None."""
     leaves = list(flat.leaves)
-    before = {i: leaves[i].detach().clone() for i in flat.tensor_pos}
+    before = _clones(leaves, flat.tensor_pos)
     state_before = [t.detach().clone() for t in state]
     result = run(flat.leaves)
     state_graph = [t.detach().clone() for t in state]
     _restore(state, state_before)
     copies = list(leaves)
-    for i, t in before.items():
-        copies[i] = t.clone()
+    for i, t in _clones([before.get(i) for i in range(len(leaves))], tuple(before)).items():
+        copies[i] = t
     expect = eager(*flat.rebuild(copies))
     problem = largest_difference(expect, result)
     for i in written:
@@ -103,6 +103,23 @@ def check(eager: Callable[[tuple[Any, ...], dict[str, Any]], Any], run: Callable
             leaves[i].copy_(before[i])
     _restore(state, state_before)
     return eager(*flat.call()), problem
+
+
+def _clones(leaves: list[Any], positions: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Copies of the tensors at ``positions`` that alias each other as the originals do:
+    arguments sharing a storage get views of one copied storage (a read argument that
+    overlaps a written one must see the write in the eager run too)."""
+    storages: dict[int, Any] = {}
+    out: dict[int, torch.Tensor] = {}
+    for i in positions:
+        t = leaves[i].detach()
+        storage = t.untyped_storage()
+        copy = storages.get(storage.data_ptr())
+        if copy is None:
+            copy = storages[storage.data_ptr()] = storage.clone()
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        out[i] = view.set_(copy, t.storage_offset(), t.size(), t.stride())
+    return out
 
 
 def _restore(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:

@@ -28,16 +28,21 @@ _handles: weakref.WeakSet[Handle] = weakref.WeakSet()
 class Handle:
     """One graphed callable: its engine, and ``call(args, kwargs)`` to run a call."""
 
-    __slots__ = ("engine", "call", "__weakref__")
+    __slots__ = ("engine", "call", "code", "method", "__weakref__")
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, code: Callable[..., Any] | None = None,
+                 method: bool = False) -> None:
         self.engine = engine
+        self.code = code  # the function whose parameters per-argument options name
+        self.method = method
         self.call: Callable[[tuple[Any, ...], dict[str, Any]], Any] = _front(engine)
 
     def set_options(self, options: Options) -> None:
         """Use these options from the next call on (a region passes its own)."""
         engine = self.engine
         before = engine.options
+        if options is not before and self.code is not None:
+            check_argument_keys(options, self.code, skip_self=self.method)
         engine.set_options(options)
         if engine.options is not before:
             self.call = _front(engine)
@@ -60,7 +65,7 @@ def make_engine(fn: Callable[..., Any], options: Options, name: str,
     names = positional_names(code, skip_self=method) if code is not None else []
     watch = Watch(roots, code, hooks_of_roots)
     engine = Engine(fn, options, stats, watch, watch.training, names)
-    handle = Handle(engine)
+    handle = Handle(engine, code, method)
     _handles.add(handle)
     return handle
 

@@ -340,3 +340,11 @@ def test_readme_is_short_and_links_exist():
     for page in (README.parent / "docs").glob("*.md"):
         for link in re.findall(r"\]\(([\w./-]+\.(?:md|png))\)", page.read_text()):
             assert (page.parent / link).exists(), (page.name, link)
+
+
+def test_region_options_naming_no_argument_of_the_module_are_refused():
+    model = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="nosuch"):
+        with torch.no_grad(), autograph.capture_region(batch_dims={"nosuch": 0}):
+            model(torch.randn(2, 3))
+    assert torch.nn.Module.__call__.__name__ != "_call"  # the region closed cleanly

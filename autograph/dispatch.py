@@ -36,6 +36,7 @@ _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled"
 _NO_RANGE = contextlib.nullcontext()
 record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
+_grad_enabled = torch.is_grad_enabled
 _nesting = lifecycle.nested_block
 
 # When a callable stops trying: this many keys given up after failed captures with no
@@ -96,9 +97,13 @@ class Engine:
         if (_switch._active or _switch.env_set()) and _switch.is_disabled():
             self.stats.count_eager(EagerReason.DISABLED, warn=False)
             return self.fn(*args, **kwargs)
-        if self.given_up is not None and self.ranks is None:
-            self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
-            return self.fn(*args, **kwargs)
+        if self.ranks is None:  # the cheap eager paths: no key needed to know
+            if self.given_up is not None:
+                self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
+                return self.fn(*args, **kwargs)
+            if _grad_enabled() and self.watch.requires_grad():
+                self.stats.count_eager(EagerReason.AUTOGRAD)
+                return self.eager(args, kwargs)
         try:
             key, flat, backend, device = self._key(args, kwargs)
         except Uncapturable as exc:

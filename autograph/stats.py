@@ -76,7 +76,7 @@ class Stats:
         self.buckets: dict[int, dict[str, int]] = {}
         self.bucket_misses = 0
         self.padding: str | None = None
-        self._warned: set[str] = set()
+        self._warned: set[tuple[EagerReason, str]] = set()
 
     def count_eager(self, reason: EagerReason, detail: str = "", *, warn: bool = True) -> None:
         """Count one eager call; log each new reason (and detail) once at WARNING."""
@@ -90,10 +90,10 @@ class Stats:
             details[detail] = details.get(detail, 0) + 1
         if _observers:
             _notify(self, reason.value)
-        if warn and reason not in QUIET:
-            text = f"{reason.message}: {detail}" if detail else reason.message
-            if text not in self._warned and len(self._warned) < 256:
-                self._warned.add(text)
+        if warn and reason not in QUIET and (reason, detail) not in self._warned:
+            if len(self._warned) < 256:
+                self._warned.add((reason, detail))
+                text = f"{reason.message}: {detail}" if detail else reason.message
                 logger.warning("%s: running eagerly [%s]: %s", self.name, reason.value, text)
 
     def count_replay(self) -> None:

@@ -101,7 +101,8 @@ class Engine:
             if self.given_up is not None:
                 self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
                 return self.fn(*args, **kwargs)
-            if _grad_enabled() and self.watch.requires_grad():
+            watch = self.watch
+            if _grad_enabled() and not watch.stale and watch.requires_grad():
                 self.stats.count_eager(EagerReason.AUTOGRAD)
                 return self.eager(args, kwargs)
         try:

@@ -86,6 +86,7 @@ def graphed(  # type: ignore[overload-overlap]  # a module is callable: it keeps
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
+    outputs: str = "clone",
 ) -> M: ...
 @overload
 def graphed(
@@ -101,6 +102,7 @@ def graphed(
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
+    outputs: str = "clone",
 ) -> Graphed[P, R]: ...
 @overload
 def graphed(
@@ -114,6 +116,7 @@ def graphed(
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
+    outputs: str = "clone",
 ) -> _Decorator: ...
 
 
@@ -130,6 +133,7 @@ def graphed(
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
+    outputs: str = "clone",
 ) -> Any:
     """Run a function, method or module through CUDA graphs, one per input key.
 
@@ -175,9 +179,18 @@ def graphed(
             eagerly from then on, logs a WARNING with the largest difference and counts
             ``verify_failures``.  Graphs that draw random numbers are not checked.  None
             (default): the environment variable ``AUTOGRAPH_VERIFY_EVERY``, else never.
+        outputs: ``"clone"`` (default): outputs that live in the graph's memory are
+            cloned on every call, so a kept output is never overwritten.  ``"reuse"``:
+            no copy; the call returns the graph's own output tensors.  Before a replay,
+            autograph checks (storage use counts) whether the caller still holds an
+            output of an earlier call (the tensor, a view of it, or either kept in a
+            list or dict); if so, that call runs eagerly instead, so the held tensor is
+            never overwritten, counted in ``outputs_protected`` (and as eager,
+            ``outputs_held``).  Drop outputs (or copy what you keep) before the next
+            call to replay every time.
     """
     options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                      min_speedup, group, verify_every)
+                      min_speedup, group, verify_every, outputs)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -194,6 +207,7 @@ def capture_region(
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
+    outputs: str = "clone",
 ) -> Region:
     """Graph the module calls made inside a block, without touching the model.
 
@@ -211,7 +225,7 @@ def capture_region(
     Args: the options of :func:`graphed`.
     """
     return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                          min_speedup, group, verify_every))
+                          min_speedup, group, verify_every, outputs))
 
 
 def save_plan(path: str | os.PathLike[str]) -> None:

@@ -4,8 +4,10 @@ A graph reads its inputs from fixed addresses.  Arguments the function only read
 copied into private static buffers before each replay, in one batched copy; arguments
 it writes in place are captured at the caller's own address and never copied (see
 ``mutation``).  Outputs living in the graph's pool are cloned out, so an output kept by
-the caller is never overwritten by a later replay; outputs that alias an argument are
-rebuilt as the same view of the caller's tensor, as eager mode would return them.
+the caller is never overwritten by a later replay (with ``outputs="reuse"`` they are
+handed out as aliases of the graph's own tensors instead, and the replay checks that
+none is still held, see ``lifecycle.Captured.runner``); outputs that alias an argument
+are rebuilt as the same view of the caller's tensor, as eager mode would return them.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ def output_builder(
     static: StaticInputs,
     inplace: tuple[int, ...],
     persistent: set[int],
+    reuse: bool = False,
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
@@ -127,7 +130,11 @@ def output_builder(
       caller's tensor for that argument;
     * a tensor that outlives the graph (a parameter, buffer or global, in
       ``persistent``) is returned as it is;
-    * anything else lives in the graph pool and is cloned on every call.
+    * anything else lives in the graph pool and is cloned on every call; with
+      ``reuse``, handed out as a new alias of the graph's tensor (a tensor object of
+      its own, so that the caller holding it shows in its storage's use count).
+
+    The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
     flat, spec = pytree.tree_flatten(output)
     arg_storage: dict[int, tuple[int, torch.Tensor]] = {}
@@ -145,20 +152,24 @@ def output_builder(
         if objects and id(value) in objects:
             makers.append(_argument_object(objects[id(value)]))
             continue
-        makers.append(_leaf_maker(value, arg_storage, persistent))
+        makers.append(_leaf_maker(value, arg_storage, persistent, reuse))
+    pool_outputs = [v for v, make in zip(flat, makers) if _is_clone(make)]
 
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and _is_clone(makers[0]):
         out0 = flat[0]
+        hand_out = out0.detach if reuse else out0.clone
 
         def build_one(_leaves: list[Any]) -> Any:
-            return out0.clone()
+            return hand_out()
 
         build_one.single_output = out0  # type: ignore[attr-defined]  # the engine's fast path
+        build_one.pool_outputs = pool_outputs  # type: ignore[attr-defined]
         return build_one
 
     def build(call_leaves: list[Any]) -> Any:
         return pytree.tree_unflatten([make(call_leaves) for make in makers], spec)
 
+    build.pool_outputs = pool_outputs  # type: ignore[attr-defined]
     return build
 
 
@@ -172,7 +183,8 @@ def _is_clone(maker: Callable[..., Any]) -> bool:
 
 
 def _leaf_maker(
-    value: Any, arg_storage: dict[int, tuple[int, torch.Tensor]], persistent: set[int]
+    value: Any, arg_storage: dict[int, tuple[int, torch.Tensor]], persistent: set[int],
+    reuse: bool = False,
 ) -> Callable[[list[Any]], Any]:
     if not isinstance(value, torch.Tensor):
         if not isinstance(value, _CONSTANT_OUTPUTS):
@@ -203,6 +215,10 @@ def _leaf_maker(
 
     def clone(_leaves: list[Any]) -> torch.Tensor:
         return value.clone()
+
+    if reuse:
+        def clone(_leaves: list[Any]) -> torch.Tensor:  # an alias: no copy
+            return value.detach()
 
     clone._clone = True  # type: ignore[attr-defined]
     return clone

@@ -75,6 +75,8 @@ class Engine:
         """Use these options from the next call on (a region passes its own)."""
         if options is self.options or _same_options(options, self.options):
             return  # a new region per step passes equal options: keep what was learned
+        if options.outputs != self.options.outputs:
+            self.reset()  # the graphs hand out their outputs the other way
         self._use_options(options)
 
     def _use_options(self, options: Options) -> None:
@@ -272,7 +274,7 @@ class Engine:
             try:
                 with self._range("capture"):
                     captured = lifecycle.capture(self.fn, flat, backend, device, self.watch,
-                                                 inplace)
+                                                 inplace, self.options.outputs == "reuse")
             except lifecycle.WritesFound as found:
                 self.cache.rekey(key, entry, flat, found.positions)
                 stats.count_eager(EagerReason.IN_PLACE, warn=False)
@@ -359,6 +361,8 @@ class Engine:
                 result = run(flat.leaves)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self._replay_failed(entry, exc, flat)
+        if result is lifecycle.HELD:
+            return self._protect(flat)
         stats = self.stats
         stats.replays += 1
         if _stats._observers:
@@ -367,8 +371,17 @@ class Engine:
         self.cache.uses = entry.used = self.cache.uses + 1  # a stamp: races are harmless
         return result
 
+    def _protect(self, flat: Flat) -> Any:
+        """An earlier output of the graph is still held (``outputs="reuse"``): run the
+        call eagerly rather than overwrite it."""
+        self.stats.outputs_protected += 1
+        self.stats.count_eager(EagerReason.OUTPUTS_HELD, warn=False)
+        return self.eager(*flat.call())
+
     def _verified(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
         captured = entry.graph
+        if captured.outputs_held():
+            return self._protect(flat)
         result, problem = verify.check(self.eager, run, flat, captured.inplace,
                                        captured.state_written)
         self.stats.verifications += 1

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+OUTPUT_MODES = ("clone", "reuse")
+
 
 def _int_at_least(name: str, value: Any, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -37,6 +39,10 @@ class Options:
         call is agreed across them (see ``ranks``).  None: no agreement.
     verify_every: check every Nth replay of a graph against eager (see ``verify``).
         None: ``AUTOGRAPH_VERIFY_EVERY``, else never.
+    outputs: ``"clone"``: outputs in the graph pool are cloned on every call;
+        ``"reuse"``: the call returns the graph's own output tensors, and a call made
+        while an earlier output (or a view of it) is still held runs eagerly instead
+        of overwriting it (see ``Captured.runner``).
     """
 
     warmup: int = 2
@@ -48,6 +54,7 @@ class Options:
     min_speedup: float | None = None
     group: Any = None
     verify_every: int | None = None
+    outputs: str = "clone"
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -80,6 +87,9 @@ class Options:
             if self.warmup < 1:
                 raise ValueError("autograph: min_speedup needs warmup >= 1 (eager runs are "
                                  "what the graph is timed against)")
+        if self.outputs not in OUTPUT_MODES:
+            raise ValueError(f"autograph: outputs must be 'clone' or 'reuse', "
+                             f"got {self.outputs!r}")
         if self.verify_every is not None:
             _int_at_least("verify_every", self.verify_every, 1)
         if self.group is not None:

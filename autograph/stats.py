@@ -50,6 +50,7 @@ class Stats:
         "eager_details",
         "verifications",
         "verify_failures",
+        "outputs_protected",
         "buckets",
         "bucket_misses",
         "padding",
@@ -67,6 +68,7 @@ class Stats:
         self.eager_details: dict[str, dict[str, int]] = {}
         self.verifications = 0
         self.verify_failures = 0
+        self.outputs_protected = 0  # calls run eagerly to keep a held output intact
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs = 0
@@ -131,6 +133,7 @@ class Stats:
             "eager_details": {r: dict(d) for r, d in self.eager_details.items()},
             "verifications": self.verifications,
             "verify_failures": self.verify_failures,
+            "outputs_protected": self.outputs_protected,
             "graphs": self.graphs,
             "graph_memory_bytes": self.graph_bytes,
             "capture_seconds": self.capture_seconds,

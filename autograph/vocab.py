@@ -59,6 +59,7 @@ class EagerReason(enum.Enum):
     RANKS_BEHIND = "ranks_behind"
     VERIFY_FAILED = "verify_failed"
     GIVEN_UP = "given_up"
+    OUTPUTS_HELD = "outputs_held"
 
     @property
     def message(self) -> str:
@@ -94,11 +95,13 @@ _MESSAGES = {
     EagerReason.VERIFY_FAILED: "a verified replay differed from eager",
     EagerReason.GIVEN_UP: "graphs do not pay for this callable: it runs eagerly until "
                           "autograph.reset()",
+    EagerReason.OUTPUTS_HELD: "an earlier call's output is still held (outputs='reuse'): "
+                              "running eagerly so that it is not overwritten",
 }
 
 # Reasons that are steps on the way to a graph, not problems: never logged as warnings.
 QUIET = frozenset({EagerReason.WARMUP, EagerReason.LEARNING, EagerReason.IN_PLACE,
-                   EagerReason.DISABLED})
+                   EagerReason.DISABLED, EagerReason.OUTPUTS_HELD})
 
 
 class Uncapturable(Exception):

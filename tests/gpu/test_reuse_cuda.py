@@ -1,0 +1,92 @@
+"""outputs="reuse" with real CUDA graphs: no copy for dropped outputs, and a held
+output (the tensor, a view, or either kept in a list or dict) never overwritten.
+Skipped without CUDA."""
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8)).cuda().eval()
+
+
+def test_dropped_output_is_the_graphs_own_memory():
+    m = model()
+    g = autograph.graphed(m, outputs="reuse")
+    ptrs = []
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 32, device="cuda")
+            out = g(x)
+            torch.testing.assert_close(out, m(x), **TOL)
+            ptrs.append(out.data_ptr())
+            del out
+    assert len(set(ptrs[2:])) == 1  # every call after the warmup: no copy
+    s = autograph.stats(g)
+    assert s["replays"] == 3 and s["outputs_protected"] == 0
+
+
+@pytest.mark.parametrize("keep", ["tensor", "view", "list", "dict"])
+def test_held_output_is_never_overwritten(keep):
+    m = model()
+    g = autograph.graphed(m, warmup=1, outputs="reuse")
+    with torch.no_grad():
+        g(torch.randn(4, 32, device="cuda"))  # warmup
+        out = g(torch.randn(4, 32, device="cuda"))  # captured
+        expect = out.clone()
+        held = out[1:].t() if keep == "view" else \
+            {"tensor": out, "list": [out], "dict": {"y": out}}[keep]
+        del out
+        for _ in range(3):
+            x = torch.randn(4, 32, device="cuda")
+            torch.testing.assert_close(g(x), m(x), **TOL)
+        torch.cuda.synchronize()
+        kept = held if isinstance(held, torch.Tensor) else \
+            (held[0] if isinstance(held, list) else held["y"])
+        assert torch.equal(kept, expect[1:].t() if keep == "view" else expect)
+    s = autograph.stats(g)
+    assert s["outputs_protected"] == 3 and s["replays"] == 0
+    assert s["calls"] == s["replays"] + s["captures"] + s["eager"]
+    del held, kept
+    with torch.no_grad():
+        x = torch.randn(4, 32, device="cuda")
+        torch.testing.assert_close(g(x), m(x), **TOL)
+    assert autograph.stats(g)["replays"] == 1
+
+
+def test_output_fed_back_stays_intact():
+    @autograph.graphed(warmup=0, outputs="reuse")
+    def step(x):
+        return x * 2 + 1
+
+    with torch.no_grad():
+        x = torch.ones(16, device="cuda")
+        outs = []
+        for _ in range(6):
+            x = step(x)
+            outs.append(x)
+    expect = torch.ones(16, device="cuda")
+    for out in outs:
+        expect = expect * 2 + 1
+        assert torch.equal(out, expect)
+
+
+def test_default_mode_unchanged():
+    m = model()
+    g = autograph.graphed(m, warmup=0)
+    with torch.no_grad():
+        x1, x2 = torch.randn(4, 32, device="cuda"), torch.randn(4, 32, device="cuda")
+        out1, out2 = g(x1), g(x2)
+        assert out1.data_ptr() != out2.data_ptr()
+        torch.testing.assert_close(out1, m(x1), **TOL)
+        torch.testing.assert_close(out2, m(x2), **TOL)
+    s = autograph.stats(g)
+    assert s["replays"] == 1 and s["outputs_protected"] == 0

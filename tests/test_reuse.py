@@ -1,0 +1,145 @@
+"""outputs="reuse": the graph's own output tensors are handed out, and a held output
+is never overwritten by a later replay (the call runs eagerly instead), proved on the
+CPU stand-in (whose replay overwrites its outputs in place, as a real graph does)."""
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+from autograph.lifecycle import Captured
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_dropped_output_is_reused_without_a_copy():
+    model = mlp()
+    g = autograph.graphed(model, warmup=0, outputs="reuse")
+    ptrs = []
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 8)
+            out = g(x)
+            torch.testing.assert_close(out, model(x))
+            ptrs.append(out.data_ptr())
+            del out
+    assert len(set(ptrs)) == 1  # the graph's own memory, every call
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["replays"] == 3 and s["outputs_protected"] == 0
+
+
+def hold(out, keep):
+    if keep == "view":
+        return out[1:].t()
+    return {"tensor": out, "list": [out], "dict": {"y": out}}[keep]
+
+
+@pytest.mark.parametrize("keep", ["tensor", "view", "list", "dict"])
+def test_held_output_is_never_overwritten(keep):
+    model = mlp()
+    g = autograph.graphed(model, warmup=0, outputs="reuse")
+    with torch.no_grad():
+        x1 = torch.randn(3, 8)
+        out = g(x1)
+        expect = out.clone()
+        held = hold(out, keep)
+        del out
+        x2 = torch.randn(3, 8)
+        out2 = g(x2)
+        torch.testing.assert_close(out2, model(x2))
+        kept = held if isinstance(held, torch.Tensor) else \
+            (held[0] if isinstance(held, list) else held["y"])
+        torch.testing.assert_close(kept, expect if keep != "view" else expect[1:].t())
+    s = autograph.stats(g)
+    assert s["outputs_protected"] == 1 and s["eager_reasons"]["outputs_held"] == 1
+    assert s["calls"] == s["replays"] + s["captures"] + s["eager"]
+    del held, kept, out2
+    with torch.no_grad():
+        x3 = torch.randn(3, 8)
+        torch.testing.assert_close(g(x3), model(x3))
+    assert autograph.stats(g)["replays"] == 1  # nothing held any more: replayed
+
+
+def test_output_passed_back_in_stays_intact():
+    @autograph.graphed(warmup=0, outputs="reuse")
+    def step(x):
+        return x * 2 + 1
+
+    with torch.no_grad():
+        x = torch.ones(4)
+        outs = []
+        for _ in range(5):
+            x = step(x)
+            outs.append(x)
+    expect = torch.ones(4)
+    for out in outs:
+        expect = expect * 2 + 1
+        assert torch.equal(out, expect)
+    assert autograph.stats(step)["outputs_protected"] == 4
+
+
+def test_several_outputs_and_one_held():
+    @autograph.graphed(warmup=0, outputs="reuse")
+    def f(x):
+        return x * 2, {"sum": x.sum()}, x
+
+    with torch.no_grad():
+        a = torch.randn(4)
+        _, d_a, same = f(a)
+        assert same is a  # an argument is handed back as it is
+        b = torch.randn(4)
+        out_b, d_b, _ = f(b)
+    assert torch.allclose(d_a["sum"], a.sum())
+    assert torch.allclose(out_b, b * 2) and torch.allclose(d_b["sum"], b.sum())
+    assert autograph.stats(f)["outputs_protected"] == 1
+
+
+def test_without_the_check_a_held_output_would_be_overwritten(monkeypatch):
+    """The checks above are only worth something if the stand-in overwrites outputs."""
+    monkeypatch.setattr(Captured, "holders", lambda self: ())
+
+    @autograph.graphed(warmup=0, outputs="reuse")
+    def f(x):
+        return x * 2
+
+    with torch.no_grad():
+        out1 = f(torch.ones(3))
+        f(torch.zeros(3))
+    assert torch.equal(out1, torch.zeros(3))
+
+
+def test_default_clones():
+    model = mlp()
+    g = autograph.graphed(model, warmup=0)
+    with torch.no_grad():
+        x1, x2 = torch.randn(3, 8), torch.randn(3, 8)
+        out1 = g(x1)
+        out2 = g(x2)
+    assert out1.data_ptr() != out2.data_ptr()
+    torch.testing.assert_close(out1, model(x1))
+    torch.testing.assert_close(out2, model(x2))
+    s = autograph.stats(g)
+    assert s["replays"] == 1 and s["outputs_protected"] == 0
+    assert "outputs_held" not in s["eager_reasons"]
+
+
+def test_region_and_validation():
+    model = mlp()
+    with torch.no_grad():
+        for _ in range(4):
+            with autograph.capture_region(warmup=0, outputs="reuse"):
+                x = torch.randn(2, 8)
+                out = model(x)
+                torch.testing.assert_close(out, nn.Sequential.forward(model, x))
+            del out
+    assert autograph.stats(model)["outputs_protected"] == 0
+    assert autograph.stats(model)["replays"] == 3
+    with pytest.raises(ValueError, match="outputs"):
+        autograph.graphed(outputs="share")
+    with pytest.raises(ValueError, match="outputs"):
+        autograph.capture_region(outputs=None)  # type: ignore[arg-type]

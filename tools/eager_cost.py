@@ -7,25 +7,11 @@ callable gave up (keys that never repeat).  Best of 7 loops, microseconds per ca
     PYTHONPATH=. python tools/eager_cost.py
 """
 
-import time
-
 import torch
+from timing import best  # tools/timing.py (tools run as scripts)
 
 import autograph
 from autograph.dispatch import GIVE_UP_FRESH_KEYS
-
-
-def best(fn, n=20000, rounds=7):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(rounds):
-        sync()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / n * 1e6)
-    return min(times)
 
 
 def main():

@@ -7,28 +7,13 @@ Without CUDA it times the pieces that need none (keying, modes, guards) on the C
     PYTHONPATH=. python tools/replay_breakdown.py
 """
 
-import time
-
 import torch
+from timing import best  # tools/timing.py (tools run as scripts)
 
 import autograph
 from autograph.cli.models import mlp
 from autograph.keys import key_call
 from autograph.modes import modes
-
-
-def best(fn, n=20000, rounds=7):
-    """Best per-call microseconds over ``rounds`` loops of ``n`` calls."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    times = []
-    for _ in range(rounds):
-        sync()
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        times.append((time.perf_counter() - start) / n * 1e6)
-    return min(times)
 
 
 def main():

@@ -21,6 +21,10 @@ _COUNTERS = (
     ("evictions", "evictions", "Graphs freed to stay within max_graphs or max_graph_memory"),
     ("invalidations", "invalidations", "Times module state changed and graphs were dropped"),
     ("bucket_misses", "bucket_misses", "Calls larger than the largest bucket"),
+    ("verifications", "verifications", "Replays checked against eager (verify_every)"),
+    ("verify_failures", "verify_failures", "Checked replays that differed from eager"),
+    ("outputs_protected", "outputs_protected",
+     "Calls run eagerly because an earlier reused output was still held"),
 )
 _GAUGES = (
     ("graphs", "graphs", "Live graphs"),

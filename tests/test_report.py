@@ -93,3 +93,21 @@ def test_importing_autograph_imports_no_optional_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_eager_reasons_are_a_fixed_set_whatever_the_details(standin):
+    """Reasons are label values: bounded identifiers; what varies goes to the details."""
+    @autograph.graphed(buckets=[2])
+    def f(x, extra=None):
+        return x * 2
+
+    with torch.no_grad():
+        for n in range(3, 9):  # every batch a miss with its own size
+            f(torch.randn(n, 2))
+        for value in (object(), {1}, object()):  # unkeyable, each its own type
+            f(torch.randn(1, 2), value)
+    s = autograph.stats(f)
+    allowed = {r.value for r in autograph.EagerReason}
+    assert set(s["eager_reasons"]) <= allowed, s["eager_reasons"]
+    assert s["eager_reasons"]["bucket_miss"] == 5  # the first call learns the arguments
+    assert any("set" in d for d in s["eager_details"]["unkeyable_argument"])

@@ -18,28 +18,13 @@ from torch.nn.utils import parametrize
 
 import autograph
 
+from ..test_usage import counts, one, replayed  # the CPU file's counting helpers
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 ORIGINAL_CALL = nn.Module.__call__
 CALLS = 8
 CUDA = "cuda"
-
-
-def counts(fn):
-    s = autograph.stats(fn)
-    assert s["calls"] == s["replays"] + s["captures"] + s["eager"], s
-    return s
-
-
-def replayed(fn):
-    s = counts(fn)
-    assert s["replays"] > 0, s
-    return s
-
-
-def one(stats):
-    (value,) = stats.values()
-    return value
 
 
 def randn(*shape, **kw):

@@ -150,6 +150,7 @@ def main() -> None:
         print(f"{world} ranks on {device.type}: eager {e:.2f} ms/step, autograph {a:.2f} "
               f"ms/step ({speedup(e, a, autograph.stats(fast)['replays'])}), "
               f"tokens identical: {same}")
+    dist.barrier()  # ranks meet first: gloo can abort a rank that destroys alone
     dist.destroy_process_group()
 
 

@@ -6,7 +6,7 @@ it writes in place are captured at the caller's own address and never copied (se
 ``mutation``).  Outputs living in the graph's pool are cloned out, so an output kept by
 the caller is never overwritten by a later replay (with ``outputs="reuse"`` they are
 handed out as aliases of the graph's own tensors instead, and the replay checks that
-none is still held, see ``lifecycle.Captured.runner``); outputs that alias an argument
+none is still held, see ``replay.Captured.runner``); outputs that alias an argument
 are rebuilt as the same view of the caller's tensor, as eager mode would return them.
 """
 

@@ -37,7 +37,7 @@ class Entry:
         self.runs = 0  # warmup runs so far
         self.reason: EagerReason | None = None
         self.detail = ""
-        self.graph: Any = None  # a lifecycle.Captured once READY
+        self.graph: Any = None  # a replay.Captured once READY
         self.nbytes = 0
         self.run: Callable[[Any], Any] | None = None  # the bound replay, once READY
         self.eager_s = float("inf")  # fastest timed warmup run (under min_speedup)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autograph
-from autograph.lifecycle import Captured
+from autograph.replay import Captured
 
 pytestmark = pytest.mark.usefixtures("standin")
 

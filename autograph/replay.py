@@ -1,0 +1,145 @@
+"""A captured graph and its replay: :class:`Captured` holds everything a replay needs,
+and :meth:`Captured.runner` binds it into the function the engine calls on every replay
+(copy the arguments in, replay, build the outputs).  With ``outputs="reuse"`` the
+runner hands out the graph's own tensors and first checks that no earlier output is
+still held (:data:`HELD`).  ``lifecycle.capture`` makes a :class:`Captured`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .buffers import StaticInputs
+from .capture import Backend, Pool
+
+# What a runner with ``outputs="reuse"`` returns instead of replaying when an earlier
+# call's output is still held: the engine runs that call eagerly (``outputs_protected``).
+HELD: Any = object()
+
+use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class Captured:
+    """A captured graph with everything its replay needs."""
+
+    __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
+                 "state_written", "inplace", "reuse", "_holders")
+
+    def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
+                 backend: Backend, device: torch.device, seeded: bool,
+                 hidden: list[torch.Tensor], state_written: list[torch.Tensor],
+                 inplace: tuple[int, ...], reuse: bool = False) -> None:
+        self.graph = graph
+        self.static = static
+        self.build = build
+        self.backend = backend
+        self.device = device
+        self.pool: Pool = backend.pool(device)
+        self.seeded = seeded  # random operators ran: replays draw new numbers
+        self.hidden = hidden
+        self.state_written = state_written  # parameters and buffers the graph writes
+        self.inplace = inplace  # argument positions captured at the caller's address
+        self.reuse = reuse  # outputs handed out without a copy (outputs="reuse")
+        self._holders: tuple[tuple[int, int], ...] | None = None
+
+    def holders(self) -> tuple[tuple[int, int], ...]:
+        """(storage handle, use count with no output handed out) per pool storage that
+        an output lives in.  Taken on the first call, before the first replay hands
+        anything out: from then on a count above it is a tensor outside autograph (an
+        output of an earlier call, a view of it) that the next replay would overwrite.
+        The outputs kept by ``build`` keep the storages, and so the handles, alive."""
+        if self._holders is None:
+            assert use_count is not None
+            cdatas = dict.fromkeys(t.untyped_storage()._cdata
+                                   for t in getattr(self.build, "pool_outputs", ()))
+            self._holders = tuple((c, use_count(c)) for c in cdatas)
+        return self._holders
+
+    def outputs_held(self) -> bool:
+        """With ``reuse``: whether an output of an earlier call is still held."""
+        if not self.reuse:
+            return False
+        use = use_count
+        return any(use(c) > n for c, n in self.holders())  # type: ignore[misc]
+
+    def synchronize(self) -> None:
+        self.backend.synchronize(self.device)
+
+    def runner(self) -> Callable[[Any], Any]:
+        """The replay, with everything it needs bound: copy the arguments in, replay,
+        build the outputs.  Serialized per device, since the graphs of a pool share
+        memory and a capture must not overlap a replay.
+
+        With ``reuse`` the outputs are the graph's own tensors (new aliases, no copy),
+        and the replay first reads the use count of each output storage: if one is
+        above its count with nothing handed out, the caller still holds an earlier
+        output (or a view of it) that the replay would overwrite, and the runner returns
+        :data:`HELD` without replaying (the engine then runs the call eagerly)."""
+        lock, pool, device = self.pool.lock, self.pool, self.device
+        order = self.backend.order_replay
+        replay = self.graph.replay
+        static, build = self.static, self.build
+        single = getattr(build, "single_output", None)
+        if self.reuse:
+            return self._reuse_runner()
+        if single is not None and len(static.positions) == 1:
+            # one tensor in, one tensor out: the common case, with no call in between
+            pos, copy, clone = static.positions[0], static.buffers[0].copy_, single.clone
+
+            def run_one(leaves: Any) -> Any:
+                with lock:
+                    order(device, pool)
+                    copy(leaves[pos])
+                    replay()
+                    return clone()
+
+            return run_one
+        copy_in = static.copy_in
+
+        def run(leaves: Any) -> Any:
+            with lock:
+                order(device, pool)
+                copy_in(leaves)
+                replay()
+                return build(leaves)
+
+        return run
+
+    def _reuse_runner(self) -> Callable[[Any], Any]:
+        lock, pool, device = self.pool.lock, self.pool, self.device
+        order = self.backend.order_replay
+        replay = self.graph.replay
+        static, build = self.static, self.build
+        holders = self.holders()
+        use: Callable[[int], int] = use_count  # type: ignore[assignment]
+        single = getattr(build, "single_output", None)
+        if single is not None and len(static.positions) == 1 and len(holders) == 1:
+            pos, copy, alias = static.positions[0], static.buffers[0].copy_, single.detach
+            (cdata, free), = holders
+
+            def run_one(leaves: Any) -> Any:
+                with lock:
+                    if use(cdata) > free:
+                        return HELD
+                    order(device, pool)
+                    copy(leaves[pos])
+                    replay()
+                    return alias()
+
+            return run_one
+        copy_in = static.copy_in
+
+        def run(leaves: Any) -> Any:
+            with lock:
+                for cdata, free in holders:
+                    if use(cdata) > free:
+                        return HELD
+                order(device, pool)
+                copy_in(leaves)
+                replay()
+                return build(leaves)
+
+        return run

@@ -109,10 +109,10 @@ def test_destroy_process_group_is_wrapped_once_and_keeps_its_name():
     dist = torch.distributed
     if not dist.is_available():
         pytest.skip("needs torch.distributed")
-    from autograph import ranks
+    from autograph import shutdown
 
     assert dist.destroy_process_group is dist.distributed_c10d.destroy_process_group
     assert dist.destroy_process_group.__name__ == "destroy_process_group"
-    assert dist.destroy_process_group.__wrapped__ is ranks._original_destroy
-    ranks.install()
-    assert dist.destroy_process_group.__wrapped__ is ranks._original_destroy
+    assert dist.destroy_process_group.__wrapped__ is shutdown._original_destroy
+    shutdown.install()
+    assert dist.destroy_process_group.__wrapped__ is shutdown._original_destroy

@@ -10,7 +10,8 @@ from typing import Any
 from . import stats as _stats
 from .dispatch import Engine
 from .engines import Handle, live_engines, live_handles
-from .wrappers import GraphedFunction, GraphedModule, _bound_self, _graphed_parent
+from .functions import GraphedFunction, _bound_self, _graphed_parent
+from .proxy import GraphedModule
 
 
 def _bound_handle(obj: Any, make: bool) -> Handle | None:

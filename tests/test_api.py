@@ -139,6 +139,15 @@ def test_module_proxy_copies_and_pickles():
             assert torch.allclose(p(x), g(x))
 
 
+
+def test_pickles_made_before_the_wrappers_split_find_their_rebuilders():
+    from autograph import functions, proxy
+
+    # a pickle names its rebuilder by module and name; older ones name autograph.wrappers
+    assert pickle.loads(b"cautograph.wrappers\n_rewrap\n.") is proxy._rewrap
+    assert pickle.loads(b"cautograph.wrappers\n_rewrap_function\n.") is \
+        functions._rewrap_function
+
 def test_stats_invariant_and_reset():
     @autograph.graphed
     def f(x):

@@ -1,0 +1,114 @@
+"""A graphed module: a ``wrapt`` proxy of an ``nn.Module`` instance.
+
+Calling it runs the module graphed; everything else is the module's own (attributes,
+``isinstance``), methods that return the module return the proxy, and the module's own
+methods come routed through the proxy's engine.  It copies and pickles as a proxy.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, SupportsIndex
+
+import wrapt
+from torch import nn
+
+from .engines import Handle, make_module_engine
+from .functions import _SCRIPT_ERROR
+from .options import Options
+from .region import nested, routing
+
+__all__ = ["GraphedModule"]
+
+
+_RETURNS_SELF = (
+    "to", "cuda", "cpu", "xpu", "half", "float", "double", "bfloat16", "type", "train",
+    "eval", "requires_grad_", "apply", "to_empty", "share_memory",
+)
+
+
+class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
+    """An ``nn.Module`` whose calls run through autograph; everything else is the module.
+
+    Calling it runs the module's ``__call__`` (forward and its hooks) graphed.
+    Attributes, submodules, ``state_dict()``, ``parameters()`` and
+    ``isinstance(wrapper, type(module))`` are the module's own; methods that return the
+    module (``to``, ``half``, ``eval``, ...) return the wrapper.
+    """
+
+    def __init__(self, module: nn.Module, options: Options) -> None:
+        super().__init__(module)
+        self._self_options = options
+        # the module's calls made by this engine are not top-level calls for a region
+        self._self_handle = make_module_engine(module, options, nested(module), weak=False)
+        self._self_engine = self._self_handle.engine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._self_handle.call(args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """The module's attribute; a method of the module's own class (``generate``, a
+        custom ``predict``) comes wrapped so that the calls it makes of the module run
+        through this wrapper's engine, as ``wrapper(...)`` does."""
+        if name.startswith("_self_"):
+            raise AttributeError(name)
+        value = getattr(self.__wrapped__, name)
+        if (inspect.ismethod(value) and value.__self__ is self.__wrapped__
+                and name not in _MODULE_API and not name.startswith("__")):
+            return _routed(value, self.__wrapped__, self._self_handle)
+        return value
+
+    def reset(self) -> None:
+        """Drop every graph of this module."""
+        self._self_engine.reset()
+
+    def __repr__(self) -> str:
+        return f"autograph.graphed({self.__wrapped__!r})"
+
+    def __copy__(self) -> GraphedModule:
+        return GraphedModule(copy.copy(self.__wrapped__), self._self_options)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> GraphedModule:
+        return GraphedModule(copy.deepcopy(self.__wrapped__, memo), self._self_options)
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        return (_rewrap, (self.__wrapped__, self._self_options))
+
+    def __prepare_scriptable__(self) -> Any:
+        raise TypeError(_SCRIPT_ERROR.format(what="module"))
+
+
+# nn.Module's own methods: none calls the module, so they are returned unwrapped
+_MODULE_API = frozenset(name for name in dir(nn.Module) if callable(getattr(nn.Module, name)))
+
+
+def _routed(method: Callable[..., Any], module: Any, handle: Handle) -> Callable[..., Any]:
+    """``method`` with the module calls it makes routed through ``handle``."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with routing(module, handle):
+            return method(*args, **kwargs)
+
+    return call
+
+
+def _returns_self(name: str) -> Callable[..., Any]:
+    def method(self: GraphedModule, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.__wrapped__, name)(*args, **kwargs)
+        return self if result is self.__wrapped__ else result
+
+    method.__name__ = name
+    method.__doc__ = f"``module.{name}(...)``, returning the wrapper instead of the module."
+    return method
+
+
+for _name in _RETURNS_SELF:
+    setattr(GraphedModule, _name, _returns_self(_name))
+
+
+def _rewrap(module: nn.Module, options: Options) -> GraphedModule:
+    return GraphedModule(module, options)

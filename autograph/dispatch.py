@@ -24,7 +24,7 @@ from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
 from .guards import Watch, running
 from .keys import Flat, GraphKey, key_call
-from .modes import grad_enabled, modes
+from .modes import modes
 from .options import Options
 from .ranks import Ranks
 from .stats import Stats
@@ -38,6 +38,7 @@ record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
 _grad_enabled = torch.is_grad_enabled
 _nesting = lifecycle.nested_block
+_HELD = lifecycle.HELD
 
 # When a callable stops trying: this many keys given up after failed captures with no
 # replay ever, or this many new keys in a row without a replay (keys that never repeat).
@@ -166,7 +167,8 @@ class Engine:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
         if _nesting.active and _is_nested():
             raise Uncapturable(EagerReason.NESTED)
-        if not self.watch.ok():  # first: the key reads the watched modules' training flags
+        watch = self.watch
+        if not watch.ok():  # first: the key reads the watched modules' training flags
             self.check_guards()
         key, flat, device = key_call(args, kwargs, modes, self.training)
         last = self._device
@@ -174,9 +176,9 @@ class Engine:
             last = self._device = _find_backend(device)
         if last[2]():
             raise Uncapturable(EagerReason.CAPTURING)
-        if self.watch.hook_reason:
-            raise Uncapturable(EagerReason.HOOKS, self.watch.hook_reason)
-        if grad_enabled(key.modes) and self._autograd_records(flat):
+        if watch.hook_reason:
+            raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
+        if key.modes[0] and self._autograd_records(flat):  # grad mode: autograd may record
             raise Uncapturable(EagerReason.AUTOGRAD)
         if self.cache.inplace:
             key = self.cache.address(key, flat)
@@ -361,14 +363,14 @@ class Engine:
                 result = run(flat.leaves)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self._replay_failed(entry, exc, flat)
-        if result is lifecycle.HELD:
+        if result is _HELD:
             return self._protect(flat)
-        stats = self.stats
-        stats.replays += 1
+        self.stats.replays += 1
         if _stats._observers:
-            stats.notify("replay")
+            self.stats.notify("replay")
         self._fresh = 0
-        self.cache.uses = entry.used = self.cache.uses + 1  # a stamp: races are harmless
+        cache = self.cache
+        cache.uses = entry.used = cache.uses + 1  # a stamp: races are harmless
         return result
 
     def _protect(self, flat: Flat) -> Any:

@@ -41,6 +41,10 @@ _SCALARS = (bool, int, float, str, type(None))
 _MISSING = object()
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 _getitem = operator.getitem
+# One C++ pass comparing tensors' data pointers with expected ones (CUDA builds; the
+# same check CUDA graph trees make), else a Python pass.
+_ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
+    torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 # id(module) -> the watches whose trees contain it
 _watched: dict[int, weakref.WeakSet[Watch]] = {}
@@ -64,6 +68,7 @@ class Watch:
         self._holders: list[Any] = []
         self._names: list[Any] = []
         self._ptrs: list[int] = []
+        self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
@@ -93,6 +98,7 @@ class Watch:
         self._holders, self._names = holders, names
         self._refs = refs
         self._ptrs = self._current_ptrs()
+        self._all = list(range(len(self._ptrs)))
         self.hook_reason = _hooks_reason(
             list(modules.values()), roots if not self._hooks_of_roots else []
         )
@@ -113,9 +119,13 @@ class Watch:
         if self.dirty or self.stale:
             return False
         try:  # has any watched parameter or buffer another address (or is it gone)?
-            if list(map(_ptr, map(_getitem, self._holders, self._names))) != self._ptrs:
+            tensors = list(map(_getitem, self._holders, self._names))
+            if _ptrs_equal is not None:
+                if not _ptrs_equal(tensors, self._ptrs, self._all):
+                    return False
+            elif list(map(_ptr, tensors)) != self._ptrs:
                 return False
-        except (KeyError, TypeError, AttributeError):
+        except Exception:  # noqa: BLE001 - a tensor gone or replaced by another object
             return False
         for get, value in self._refs:
             if not _same(get(), value):

@@ -172,6 +172,25 @@ class Flat:
 
 _FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *_BY_VALUE}).__contains__
 
+# type -> whether pytree leaves it closed (tensors, values, and objects of types it does
+# not open: a cache object, a tokenizer's output before it is registered); dropped
+# whenever pytree registers another type
+_closed: dict[type, bool] = {}
+_nodes_known = [0]
+
+
+def _unopened(tp: type) -> bool:
+    """Whether pytree would keep an argument of type ``tp`` whole (a leaf)."""
+    if len(pytree.SUPPORTED_NODES) != _nodes_known[0]:
+        _closed.clear()
+        _nodes_known[0] = len(pytree.SUPPORTED_NODES)
+    closed = _closed.get(tp)
+    if closed is None:  # tuples (named ones, structseqs) are containers to pytree
+        closed = _closed[tp] = _FLAT(tp) or (
+            tp not in pytree.SUPPORTED_NODES and not issubclass(tp, (tuple, list, dict)))
+    return closed
+
+
 
 def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training: Any
              ) -> tuple[GraphKey, Flat, torch.device]:
@@ -185,7 +204,7 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
         structure: Any = len(args)
         names: tuple[str, ...] = ()
         spec = None
-    elif all(map(_FLAT, map(type, args))) and all(map(_FLAT, map(type, kwargs.values()))):
+    elif all(map(_unopened, map(type, args))) and all(map(_unopened, map(type, kwargs.values()))):
         names = tuple(kwargs)
         leaves, structure, spec = (*args, *kwargs.values()), (len(args), names), None
     else:

@@ -74,20 +74,36 @@ _cudnn_deterministic = _read("_get_cudnn_deterministic")
 _deterministic = _read("_get_deterministic_algorithms")
 
 
+def _cuda_modes() -> tuple[Any, ...]:
+    autocast = _any_autocast() and _autocast("cuda") and _get_dtype("cuda")
+    return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
+            _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
+            _cudnn_deterministic(), _deterministic(), _default_dtype())
+
+
+def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
+    """The modes reader of one device type (CUDA reads its numerics flags too)."""
+    if kind == "cuda":
+        return _cuda_modes
+
+    def other() -> tuple[Any, ...]:
+        autocast = _any_autocast() and _autocast(kind) and _get_dtype(kind)
+        return (_grad_enabled(), _inference_mode(), autocast, _cpu_matmul(), _deterministic(),
+                _default_dtype())
+
+    return other
+
+
+# device -> its reader: ``device.type`` builds a new string on every read, a dict
+# lookup by the device does not
+_readers: dict[torch.device, Callable[[], tuple[Any, ...]]] = {}
+
+
 def modes(device: torch.device) -> tuple[Any, ...]:
     """What a graph on ``device`` bakes in of the global state, as one hashable tuple:
     ``(grad, inference, autocast dtype or False, numerics flags...)``.  Written out, not
     looped: it runs on every call."""
-    kind = device.type
-    autocast = _any_autocast() and _autocast(kind) and _get_dtype(kind)
-    if kind == "cuda":
-        return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
-                _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
-                _cudnn_deterministic(), _deterministic(), _default_dtype())
-    return (_grad_enabled(), _inference_mode(), autocast, _cpu_matmul(), _deterministic(),
-            _default_dtype())
-
-
-def grad_enabled(key_modes: tuple[Any, ...]) -> bool:
-    """Whether autograd records, from a :func:`modes` tuple."""
-    return bool(key_modes[0])
+    read = _readers.get(device)
+    if read is None:
+        read = _readers.setdefault(device, _reader(device.type))
+    return read()

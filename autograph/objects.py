@@ -39,6 +39,11 @@ from torch.utils import _pytree as pytree
 from .vocab import EagerReason, Uncapturable
 
 _Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_strided = torch.strided
+# attribute types a StaticCache layer is keyed by without the general walk: a value of
+# these types is equal to another only when it is the same value (no float: NaN, -0.0)
+_PLAIN_KINDS = frozenset({torch.Tensor, bool, int, str, type(None), torch.dtype, torch.device})
 _VALUES = (
     type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.layout,
     torch.memory_format, type(Ellipsis),
@@ -86,7 +91,14 @@ class Walked:
     def __init__(self, obj: Any) -> None:
         self.obj = obj
         self.tensors: list[torch.Tensor] = []
-        self.paths: list[str] = []
+        # where each tensor sits, as text or as (layer, attribute) of a StaticCache
+        # (formatted only for a message: most calls never need one)
+        self.paths: list[Any] = []
+
+    def path(self, k: int) -> str:
+        """Where the ``k``-th tensor sits in the object, as text."""
+        p = self.paths[k]
+        return p if isinstance(p, str) else f"StaticCache.layers[{p[0]}].{p[1]}"
 
 
 def is_object(x: Any) -> bool:
@@ -112,20 +124,20 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     version counter of a host tensor when the call runs elsewhere."""
     keys = []
     host = device.type != "cpu"
-    for t, path in zip(walked.tensors, walked.paths):
-        if t.layout is not torch.strided or type(t) not in (_Tensor, torch.nn.Parameter):
-            raise Uncapturable(EagerReason.UNKEYABLE, f"{path}: a {t.layout} tensor or a "
-                               f"tensor subclass inside an argument object")
+    for k, t in enumerate(walked.tensors):
+        if t.layout is not _strided or type(t) not in _PLAIN:
+            raise Uncapturable(EagerReason.UNKEYABLE, f"{walked.path(k)}: a {t.layout} tensor "
+                               f"or a tensor subclass inside an argument object")
         if t.requires_grad and torch.is_grad_enabled():
-            raise Uncapturable(EagerReason.AUTOGRAD, f"{path} requires grad")
+            raise Uncapturable(EagerReason.AUTOGRAD, f"{walked.path(k)} requires grad")
         tdev = t.device
         if tdev == device:
             version = None
         elif host and tdev.type == "cpu":
-            version = _host_version(t, path)
+            version = _host_version(t, walked.path(k))
         else:
-            raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{path} is on {tdev}, the call "
-                               f"on {device}")
+            raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{walked.path(k)} is on {tdev}, "
+                               f"the call on {device}")
         keys.append(ObjectTensor(t.shape, t.stride(), t.dtype, tdev,
                                  t.data_ptr() if t.numel() else 0, version))
     return part._replace(tensors=tuple(keys))
@@ -139,11 +151,11 @@ def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:
     if before.state != after.state:
         diff = _state_diff(before.state, after.state, name)
         return f"the call changes {diff} (a graph replays only device work)"
-    for old, new, path in zip(before.tensors, after.tensors, walked.paths):
+    for k, (old, new) in enumerate(zip(before.tensors, after.tensors)):
         if old != new:
             what = ("writes host tensor" if old.version is not None and old[:5] == new[:5]
                     else "rebinds")
-            return f"the call {what} {path} (a graph replays only device work)"
+            return f"the call {what} {walked.path(k)} (a graph replays only device work)"
     return f"the call changes {name}"
 
 
@@ -165,9 +177,15 @@ def _state_diff(a: Any, b: Any, path: str) -> str:
     if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 3
             and a[0] == b[0] == "static_cache"):
         for i, (x, y) in enumerate(zip(a[1], b[1])):
-            for (name, u), (_, v) in zip(x, y):
-                if u != v:
-                    return f"{path}.layers[{i}].{name}"
+            if x == y:
+                continue
+            where = f"{path}.layers[{i}]"
+            if x[0] == "attrs" or x[0] != y[0]:  # walked, or its attribute names changed
+                return _state_diff(x, y, where)
+            for name, *pair in zip(x[0], x[1], y[1], x[2], y[2]):  # (names, kinds, values)
+                if pair[0] is not pair[1] or pair[2] != pair[3]:
+                    return f"{where}.{name}"
+            return where
         return path
     if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 3
             and a[0] == b[0] and a[0] in ("seq", "map") and a[1] == b[1]):
@@ -309,21 +327,21 @@ def _register_transformers(cache_utils: Any) -> None:
         parts = []
         for i, layer in enumerate(layers):
             ld = layer.__dict__
-            row: list[Any] = []
+            kinds = tuple(map(type, ld.values()))
+            if not _PLAIN_KINDS.issuperset(kinds):  # a float, a container: the walk
+                counter = [0]
+                parts.append(_walk(layer, walked, f"StaticCache.layers[{i}]", 1, counter))
+                continue
+            # names, types and values, a tensor's value None (its key comes from finish())
+            values = []
             for name, v in ld.items():
-                if isinstance(v, _Tensor):
+                if type(v) is _Tensor:
                     append_t(v)
-                    append_p(f"StaticCache.layers[{i}].{name}")
-                    row.append((name, None))
-                elif type(v) is float:
-                    row.append((name, (float, v.hex())))
-                elif isinstance(v, _VALUES):
-                    row.append((name, (type(v), v)))
+                    append_p((i, name))
+                    values.append(None)
                 else:
-                    counter = [0]
-                    row.append((name, _walk(v, walked, f"StaticCache.layers[{i}].{name}", 2,
-                                            counter)))
-            parts.append(tuple(row))
+                    values.append(v)
+            parts.append((tuple(ld), kinds, tuple(values)))
         rest = []
         for name, v in d.items():
             if name == "layers":

@@ -333,7 +333,7 @@ def _register_transformers(cache_utils: Any) -> None:
                 parts.append(_walk(layer, walked, f"StaticCache.layers[{i}]", 1, counter))
                 continue
             # names, types and values, a tensor's value None (its key comes from finish())
-            values = []
+            values: list[Any] = []
             for name, v in ld.items():
                 if type(v) is _Tensor:
                     append_t(v)

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .keys import Flat, GraphKey
+from .flat import Flat
+from .keys import GraphKey
 from .mutation import storage_ptr
 from .options import Options
 from .stats import Stats

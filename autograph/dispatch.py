@@ -22,8 +22,9 @@ from . import stats as _stats
 from . import switch as _switch
 from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
+from .flat import Flat
 from .guards import Watch, running
-from .keys import Flat, GraphKey, key_call
+from .keys import GraphKey, key_call
 from .modes import modes
 from .options import Options
 from .ranks import Ranks

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import operator
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -36,8 +35,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .coderefs import code_refs, same
+
 _Module = nn.Module
-_SCALARS = (bool, int, float, str, type(None))
 _MISSING = object()
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 _getitem = operator.getitem
@@ -82,7 +82,7 @@ class Watch:
         """Enumerate the watched state anew (after creation or an invalidation)."""
         _install()
         self._unregister()
-        refs = _code_refs(self._code) if self._code is not None else []
+        refs = code_refs(self._code) if self._code is not None else []
         roots = list(self._roots()) + [v for _, v in refs if isinstance(v, _Module)]
         modules: dict[int, nn.Module] = {}
         for root in roots:
@@ -128,7 +128,7 @@ class Watch:
         except Exception:  # noqa: BLE001 - a tensor gone or replaced by another object
             return False
         for get, value in self._refs:
-            if not _same(get(), value):
+            if not same(get(), value):
                 return False
         for ref, ptr, version in self._hidden:
             t = ref()
@@ -172,7 +172,7 @@ class Watch:
     def modules(self) -> list[nn.Module]:
         """The roots of the watched module trees: the callable's own modules and those
         its globals and closure cells name."""
-        refs = _code_refs(self._code) if self._code is not None else []
+        refs = code_refs(self._code) if self._code is not None else []
         return list(self._roots()) + [v for _, v in refs if isinstance(v, _Module)]
 
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -245,65 +245,6 @@ class running:
         _local.running.pop()
 
 
-def _same(now: Any, then: Any) -> bool:
-    if now is then:
-        return True
-    if isinstance(then, _SCALARS) and type(now) is type(then):
-        return bool(now == then)
-    return False
-
-
-def _code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
-    """Getters for the modules, tensors and scalars that ``fn`` names in its globals
-    and closure cells, with their current values."""
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return []
-    out: list[tuple[Callable[[], Any], Any]] = []
-    glb = getattr(fn, "__globals__", {})
-    for name in sorted(_global_names(code)):
-        value = glb.get(name, _MISSING)
-        if _trackable(value):
-            out.append((_global_getter(glb, name), value))
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # empty cell
-            continue
-        if _trackable(value):
-            out.append((_cell_getter(cell), value))
-    return out
-
-
-def _global_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
-
-
-def _trackable(value: Any) -> bool:
-    return isinstance(value, (_Module, torch.Tensor)) or (
-        isinstance(value, _SCALARS) and value is not None
-    )
-
-
-def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:
-    return lambda: glb.get(name, _MISSING)
-
-
-def _cell_getter(cell: Any) -> Callable[[], Any]:
-    def get() -> Any:
-        try:
-            return cell.cell_contents
-        except ValueError:
-            return _MISSING
-
-    return get
-
-
 def _hooks_reason(modules: list[nn.Module], outside: list[nn.Module]) -> str | None:
     """Why module hooks forbid capture: a hook's Python side effects would not replay."""
     skip = {id(m) for m in outside}
@@ -330,7 +271,7 @@ def _changes(module: nn.Module, name: str, value: Any) -> bool:
             if inner is not None and name in inner:
                 old = inner[name]
                 break
-    return not _same(value, old)
+    return not same(value, old)
 
 
 def _notify(module: nn.Module, name: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from .flat import BY_VALUE, FLAT, Flat, spec_key, unopened
 from .objects import (
     ObjectKey,
     Walked,
@@ -28,17 +29,12 @@ from .objects import (
     open_mapping,
     portable_state,
 )
-from .objects import changes as objects_changes
 from .vocab import EagerReason, Uncapturable
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_BY_VALUE = (
-    type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout,
-    torch.memory_format, type(Ellipsis),
-)
 _new = tuple.__new__
 
 
@@ -123,74 +119,6 @@ class GraphKey(NamedTuple):
         return "(" + ", ".join(items) + ")"
 
 
-class Flat:
-    """The flattened arguments of one call: ``leaves`` in order, and how to put a
-    (possibly substituted) leaf list back into ``(args, kwargs)``."""
-
-    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos", "objects")
-
-    def __init__(self, leaves: list[Any] | tuple[Any, ...], nargs: int,
-                 kw_names: tuple[str, ...], spec: Any, tensor_pos: tuple[int, ...],
-                 objects: tuple[tuple[int, Walked, ObjectKey, torch.device], ...] = ()
-                 ) -> None:
-        self.leaves = leaves
-        self.nargs = nargs
-        self.kw_names = kw_names
-        self.spec = spec  # a torch TreeSpec, or None when no container was opened
-        self.tensor_pos = tensor_pos
-        # object arguments (``objects.py``): (position, its walk, its key, the device)
-        self.objects = objects
-
-    def object_storages(self) -> set[int]:
-        """Storage addresses of the tensors inside object arguments (keyed by address:
-        a graph may read them without a guard of its own)."""
-        return {t.untyped_storage().data_ptr() for _, walked, _, _ in self.objects
-                for t in walked.tensors if t.numel()}
-
-    def object_changes(self) -> str | None:
-        """What the call changed in its object arguments' structure, or None."""
-        for pos, _walked, before, device in self.objects:
-            try:
-                after, again = object_key(self.leaves[pos])
-                after = finish(after, again, device)
-            except Uncapturable as exc:
-                return exc.detail or "an argument object can no longer be keyed"
-            problem = objects_changes(before, after, again)
-            if problem:
-                return problem
-        return None
-
-    def rebuild(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if self.spec is None:
-            n = self.nargs
-            return tuple(leaves[:n]), dict(zip(self.kw_names, leaves[n:]))
-        return pytree.tree_unflatten(leaves, self.spec)  # type: ignore[no-any-return]
-
-    def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return self.rebuild(list(self.leaves))
-
-
-_FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *_BY_VALUE}).__contains__
-
-# type -> whether pytree leaves it closed (tensors, values, and objects of types it does
-# not open: a cache object, a tokenizer's output before it is registered); dropped
-# whenever pytree registers another type
-_closed: dict[type, bool] = {}
-_nodes_known = [0]
-
-
-def _unopened(tp: type) -> bool:
-    """Whether pytree would keep an argument of type ``tp`` whole (a leaf)."""
-    if len(pytree.SUPPORTED_NODES) != _nodes_known[0]:
-        _closed.clear()
-        _nodes_known[0] = len(pytree.SUPPORTED_NODES)
-    closed = _closed.get(tp)
-    if closed is None:  # tuples (named ones, structseqs) are containers to pytree
-        closed = _closed[tp] = _FLAT(tp) or (
-            tp not in pytree.SUPPORTED_NODES and not issubclass(tp, (tuple, list, dict)))
-    return closed
-
-
 
 def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training: Any
              ) -> tuple[GraphKey, Flat, torch.device]:
@@ -199,22 +127,22 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     ``modes(device)`` returns the global modes for the tensors' device.  Raises
     :class:`Uncapturable` for calls that cannot be graphed.
     """
-    if not kwargs and all(map(_FLAT, map(type, args))):
+    if not kwargs and all(map(FLAT, map(type, args))):
         leaves: Any = args
         structure: Any = len(args)
         names: tuple[str, ...] = ()
         spec = None
-    elif all(map(_unopened, map(type, args))) and all(map(_unopened, map(type, kwargs.values()))):
+    elif all(map(unopened, map(type, args))) and all(map(unopened, map(type, kwargs.values()))):
         names = tuple(kwargs)
         leaves, structure, spec = (*args, *kwargs.values()), (len(args), names), None
     else:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        structure, names = _spec_key(spec), ()
+        structure, names = spec_key(spec), ()
     try:
         parts, tensor_pos, device, objs = _leaf_keys(leaves)
     except _Reopen:  # a mapping type pytree opens from now on: flatten again
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        structure, names = _spec_key(spec), ()
+        structure, names = spec_key(spec), ()
         parts, tensor_pos, device, objs = _leaf_keys(leaves)
     if objs:
         parts, device = _finish_objects(parts, objs, device)
@@ -313,7 +241,7 @@ def leaf_key(x: Any) -> ValueKey:
     keyed."""
     if type(x) is float:
         return _new(ValueKey, (float, x.hex()))  # tells -0.0 from 0.0, keys NaN stably
-    if isinstance(x, _BY_VALUE) or isinstance(x, enum.Enum):
+    if isinstance(x, BY_VALUE) or isinstance(x, enum.Enum):
         return _new(ValueKey, (type(x), x))
     if isinstance(x, _Tensor):
         raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
@@ -327,24 +255,6 @@ def _tensor_kind(x: torch.Tensor) -> str:
     if x.is_nested:
         return "nested tensor argument"
     return f"{x.layout} tensor argument"
-
-
-def _spec_key(spec: Any) -> Any:
-    """A hashable stand-in for a TreeSpec (its type, context and children)."""
-    if spec.is_leaf():
-        return None
-    children = spec.children() if hasattr(spec, "children") else spec.children_specs
-    return (spec.type, _hashable(spec.context), tuple(_spec_key(c) for c in children))
-
-
-def _hashable(context: Any) -> Any:
-    if isinstance(context, list):
-        return tuple(_hashable(c) for c in context)
-    try:
-        hash(context)
-    except TypeError:
-        return repr(context)
-    return context
 
 
 def _plain_structure(structure: Any) -> tuple[int | None, tuple[str, ...]]:

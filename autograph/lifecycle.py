@@ -28,8 +28,8 @@ from torch.utils import _pytree as pytree
 
 from .buffers import StaticInputs, output_builder
 from .capture import Backend
+from .flat import Flat
 from .guards import Watch, running
-from .keys import Flat
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import HELD as HELD  # dispatch.py reads lifecycle.HELD
 from .replay import Captured, use_count

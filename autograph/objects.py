@@ -22,36 +22,27 @@ a scalar, allocates a tensor on first use, advances a host tensor) is found by k
 object again after the warmup run: that key runs eagerly, with the changed attributes
 in its reason, and the next call, which sees the new structure, has a key of its own.
 
-Known types register a faster keyer in :data:`KEYERS` (transformers' caches, registered
-when ``transformers.cache_utils`` is already imported: autograph never imports it).
+Known types have a faster keyer (``known_types``: transformers' caches, registered
+when ``transformers.cache_utils`` is already imported: autograph never imports it); any
+other object is walked (``walk``).
 """
 
 from __future__ import annotations
 
 import enum
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
+from .known_types import keyer_for
 from .vocab import EagerReason, Uncapturable
+from .walk import VALUES, Walked, walk
 
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _strided = torch.strided
-# attribute types a StaticCache layer is keyed by without the general walk: a value of
-# these types is equal to another only when it is the same value (no float: NaN, -0.0)
-_PLAIN_KINDS = frozenset({torch.Tensor, bool, int, str, type(None), torch.dtype, torch.device})
-_VALUES = (
-    type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.layout,
-    torch.memory_format, type(Ellipsis),
-)
-_MAX_DEPTH = 8
-_MAX_NODES = 20_000
-# never opened: their state is not in attributes (sets), or is guarded elsewhere (modules)
-_UNOPENED = (set, frozenset, torch.nn.Module)
 
 
 class ObjectKey(NamedTuple):
@@ -83,39 +74,21 @@ class ObjectTensor(NamedTuple):
     version: int | None
 
 
-class Walked:
-    """One object argument as walked: the tensors it holds (with their paths)."""
-
-    __slots__ = ("obj", "tensors", "paths")
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-        self.tensors: list[torch.Tensor] = []
-        # where each tensor sits, as text or as (layer, attribute) of a StaticCache
-        # (formatted only for a message: most calls never need one)
-        self.paths: list[Any] = []
-
-    def path(self, k: int) -> str:
-        """Where the ``k``-th tensor sits in the object, as text."""
-        p = self.paths[k]
-        return p if isinstance(p, str) else f"StaticCache.layers[{p[0]}].{p[1]}"
-
-
 def is_object(x: Any) -> bool:
     """Whether ``x`` is an object this module keys (not a tensor, not a value)."""
-    return not isinstance(x, (_Tensor, *_VALUES, enum.Enum))
+    return not isinstance(x, (_Tensor, *VALUES, enum.Enum))
 
 
 def object_key(x: Any) -> tuple[ObjectKey, Walked]:
     """The structural key of ``x`` without its tensors' device-dependent parts (see
     :func:`finish`), and the walk (its tensors)."""
     walked = Walked(x)
-    keyer = _keyer_for(type(x))
+    keyer = keyer_for(type(x))
     if keyer is not None:
         state = keyer(x, walked)
     else:
         counter = [0]
-        state = _walk(x, walked, type(x).__name__, 0, counter)
+        state = walk(x, walked, type(x).__name__, 0, counter)
     return ObjectKey(type(x), state, ()), walked
 
 
@@ -195,61 +168,6 @@ def _state_diff(a: Any, b: Any, path: str) -> str:
     return path
 
 
-def _walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> Any:
-    """The structure of ``x`` (tensors appended to ``walked``, their slot ``None``)."""
-    counter[0] += 1
-    if counter[0] > _MAX_NODES or depth > _MAX_DEPTH:
-        raise Uncapturable(EagerReason.UNKEYABLE, f"argument object too deep or too large "
-                           f"to key (at {path})")
-    tx = type(x)
-    if tx is _Tensor or isinstance(x, _Tensor):
-        walked.tensors.append(x)
-        walked.paths.append(path)
-        return None
-    if tx is float:
-        return (float, x.hex())
-    if isinstance(x, _VALUES) or isinstance(x, enum.Enum):
-        return (tx, x)
-    if tx is list or tx is tuple:
-        return ("seq", tx, tuple(_walk(v, walked, f"{path}[{i}]", depth + 1, counter)
-                                 for i, v in enumerate(x)))
-    if tx is dict:
-        keys = tuple(x)
-        if not all(isinstance(k, (str, int)) for k in keys):
-            return ("id", tx, id(x))
-        return ("map", keys, tuple(_walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
-                                   for k, v in x.items()))
-    if isinstance(x, type) or (callable(x) and not isinstance(x, torch.nn.Module)):
-        return ("id", tx, id(x))  # a function or a class: by identity
-    attrs = _attributes(x) if not isinstance(x, _UNOPENED) else None
-    if attrs is None:
-        where = f" (at {path})" if depth else ""
-        raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {tx.__qualname__}{where} "
-                           "(tensors, numbers, strings, None, dtypes, devices, containers "
-                           "and objects with attributes are keyed)")
-    names = tuple(attrs)
-    return ("attrs", names, tuple(_walk(v, walked, f"{path}.{k}", depth + 1, counter)
-                                  for k, v in attrs.items()), tx)
-
-
-def _attributes(x: Any) -> dict[str, Any] | None:
-    """The instance attributes of ``x`` (``__dict__`` and filled ``__slots__``), or None
-    for an object without any (keyed by identity then)."""
-    d = getattr(x, "__dict__", None)
-    out: dict[str, Any] = dict(d) if isinstance(d, dict) else {}
-    for cls in type(x).__mro__:
-        for name in cls.__dict__.get("__slots__", ()):
-            if name in ("__dict__", "__weakref__") or name in out:
-                continue
-            try:
-                out[name] = getattr(x, name)
-            except AttributeError:
-                continue
-    if not out and not isinstance(d, dict):
-        return None
-    return out
-
-
 # -- mappings that are no dict (BatchEncoding, UserDict) -----------------------------
 _opened: dict[type, bool] = {}
 
@@ -284,73 +202,6 @@ def open_mapping(x: Any) -> bool:
             pass
     _opened[cls] = ok
     return ok
-
-
-# -- known types ---------------------------------------------------------------------
-Keyer = Callable[[Any, Walked], Any]
-KEYERS: dict[type, Keyer] = {}
-_checked: set[str] = set()
-
-
-def register(cls: type, keyer: Keyer) -> None:
-    """Key instances of ``cls`` (exactly that type) with ``keyer(obj, walked)``, which
-    returns the structure and appends the object's tensors to ``walked`` (with paths)."""
-    KEYERS[cls] = keyer
-
-
-def _keyer_for(cls: type) -> Keyer | None:
-    keyer = KEYERS.get(cls)
-    if keyer is None and "transformers.cache_utils" not in _checked:
-        if "transformers.cache_utils" in sys.modules:
-            _checked.add("transformers.cache_utils")
-            _register_transformers(sys.modules["transformers.cache_utils"])
-            keyer = KEYERS.get(cls)
-    return keyer
-
-
-def _register_transformers(cache_utils: Any) -> None:
-    """A fast keyer for transformers' ``StaticCache`` of plain ``StaticLayer`` layers
-    (the layout ``generate(cache_implementation="static")`` makes): the same key the
-    general walk gives, built without recursion."""
-    static_cache = getattr(cache_utils, "StaticCache", None)
-    static_layer = getattr(cache_utils, "StaticLayer", None)
-    if static_cache is None or static_layer is None:
-        return
-
-    def key_static(cache: Any, walked: Walked) -> Any:
-        d = cache.__dict__
-        layers = d.get("layers")
-        if type(layers) is not list or any(type(layer) is not static_layer for layer in layers):
-            counter = [0]
-            return _walk(cache, walked, type(cache).__name__, 0, counter)
-        append_t, append_p = walked.tensors.append, walked.paths.append
-        parts = []
-        for i, layer in enumerate(layers):
-            ld = layer.__dict__
-            kinds = tuple(map(type, ld.values()))
-            if not _PLAIN_KINDS.issuperset(kinds):  # a float, a container: the walk
-                counter = [0]
-                parts.append(_walk(layer, walked, f"StaticCache.layers[{i}]", 1, counter))
-                continue
-            # names, types and values, a tensor's value None (its key comes from finish())
-            values: list[Any] = []
-            for name, v in ld.items():
-                if type(v) is _Tensor:
-                    append_t(v)
-                    append_p((i, name))
-                    values.append(None)
-                else:
-                    values.append(v)
-            parts.append((tuple(ld), kinds, tuple(values)))
-        rest = []
-        for name, v in d.items():
-            if name == "layers":
-                continue
-            counter = [0]
-            rest.append((name, _walk(v, walked, f"StaticCache.{name}", 1, counter)))
-        return ("static_cache", tuple(parts), tuple(rest))
-
-    register(static_cache, key_static)
 
 
 def _host_version(t: torch.Tensor, path: str) -> Any:

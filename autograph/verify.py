@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .keys import Flat
+from .flat import Flat
 
 ENV_VAR = "AUTOGRAPH_VERIFY_EVERY"
 

@@ -1,0 +1,80 @@
+"""What a function names in its globals and closure cells, re-read on every call.
+
+A graph replays the decisions its function took from module-level state: a global
+flag, a scale in a closure, a module it calls by name.  :func:`code_refs` lists, for the
+modules, tensors and plain scalars that the function's code names (in its globals,
+including nested functions' names, and its closure cells), a getter and the value seen;
+:func:`same` tells whether a value read again is still the one seen (the same object,
+or an equal scalar of the same type).  ``guards.Watch`` compares them per call.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+_SCALARS = (bool, int, float, str, type(None))
+MISSING = object()  # a name or cell that holds nothing (any more)
+
+
+def same(now: Any, then: Any) -> bool:
+    if now is then:
+        return True
+    if isinstance(then, _SCALARS) and type(now) is type(then):
+        return bool(now == then)
+    return False
+
+
+def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the modules, tensors and scalars that ``fn`` names in its globals
+    and closure cells, with their current values."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    out: list[tuple[Callable[[], Any], Any]] = []
+    glb = getattr(fn, "__globals__", {})
+    for name in sorted(_global_names(code)):
+        value = glb.get(name, MISSING)
+        if _trackable(value):
+            out.append((_global_getter(glb, name), value))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+        if _trackable(value):
+            out.append((_cell_getter(cell), value))
+    return out
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _trackable(value: Any) -> bool:
+    return isinstance(value, (nn.Module, torch.Tensor)) or (
+        isinstance(value, _SCALARS) and value is not None
+    )
+
+
+def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:
+    return lambda: glb.get(name, MISSING)
+
+
+def _cell_getter(cell: Any) -> Callable[[], Any]:
+    def get() -> Any:
+        try:
+            return cell.cell_contents
+        except ValueError:
+            return MISSING
+
+    return get

@@ -1,0 +1,112 @@
+"""The flattened arguments of one call, and how they are flattened.
+
+``keys.key_call`` flattens a call's ``(args, kwargs)`` into leaves.  A call of plain
+positional and keyword arguments whose values pytree would keep whole (tensors, values,
+objects of types it does not open) skips pytree; anything else goes through
+``torch.utils._pytree``, and :func:`spec_key` makes its TreeSpec hashable for the key.
+:class:`Flat` keeps the leaves and how to rebuild ``(args, kwargs)`` from a (possibly
+substituted) leaf list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .objects import ObjectKey, Walked, finish, object_key
+from .objects import changes as objects_changes
+from .vocab import Uncapturable
+
+BY_VALUE = (
+    type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout,
+    torch.memory_format, type(Ellipsis),
+)
+# types keyed without opening anything: tensors and values
+FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *BY_VALUE}).__contains__
+
+
+class Flat:
+    """The flattened arguments of one call: ``leaves`` in order, and how to put a
+    (possibly substituted) leaf list back into ``(args, kwargs)``."""
+
+    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos", "objects")
+
+    def __init__(self, leaves: list[Any] | tuple[Any, ...], nargs: int,
+                 kw_names: tuple[str, ...], spec: Any, tensor_pos: tuple[int, ...],
+                 objects: tuple[tuple[int, Walked, ObjectKey, torch.device], ...] = ()
+                 ) -> None:
+        self.leaves = leaves
+        self.nargs = nargs
+        self.kw_names = kw_names
+        self.spec = spec  # a torch TreeSpec, or None when no container was opened
+        self.tensor_pos = tensor_pos
+        # object arguments (``objects.py``): (position, its walk, its key, the device)
+        self.objects = objects
+
+    def object_storages(self) -> set[int]:
+        """Storage addresses of the tensors inside object arguments (keyed by address:
+        a graph may read them without a guard of its own)."""
+        return {t.untyped_storage().data_ptr() for _, walked, _, _ in self.objects
+                for t in walked.tensors if t.numel()}
+
+    def object_changes(self) -> str | None:
+        """What the call changed in its object arguments' structure, or None."""
+        for pos, _walked, before, device in self.objects:
+            try:
+                after, again = object_key(self.leaves[pos])
+                after = finish(after, again, device)
+            except Uncapturable as exc:
+                return exc.detail or "an argument object can no longer be keyed"
+            problem = objects_changes(before, after, again)
+            if problem:
+                return problem
+        return None
+
+    def rebuild(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self.spec is None:
+            n = self.nargs
+            return tuple(leaves[:n]), dict(zip(self.kw_names, leaves[n:]))
+        return pytree.tree_unflatten(leaves, self.spec)  # type: ignore[no-any-return]
+
+    def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return self.rebuild(list(self.leaves))
+
+
+# type -> whether pytree leaves it closed (tensors, values, and objects of types it does
+# not open: a cache object, a tokenizer's output before it is registered); dropped
+# whenever pytree registers another type
+_closed: dict[type, bool] = {}
+_nodes_known = [0]
+
+
+def unopened(tp: type) -> bool:
+    """Whether pytree would keep an argument of type ``tp`` whole (a leaf)."""
+    if len(pytree.SUPPORTED_NODES) != _nodes_known[0]:
+        _closed.clear()
+        _nodes_known[0] = len(pytree.SUPPORTED_NODES)
+    closed = _closed.get(tp)
+    if closed is None:  # tuples (named ones, structseqs) are containers to pytree
+        closed = _closed[tp] = FLAT(tp) or (
+            tp not in pytree.SUPPORTED_NODES and not issubclass(tp, (tuple, list, dict)))
+    return closed
+
+
+
+def spec_key(spec: Any) -> Any:
+    """A hashable stand-in for a TreeSpec (its type, context and children)."""
+    if spec.is_leaf():
+        return None
+    children = spec.children() if hasattr(spec, "children") else spec.children_specs
+    return (spec.type, _hashable(spec.context), tuple(spec_key(c) for c in children))
+
+
+def _hashable(context: Any) -> Any:
+    if isinstance(context, list):
+        return tuple(_hashable(c) for c in context)
+    try:
+        hash(context)
+    except TypeError:
+        return repr(context)
+    return context

@@ -3,7 +3,9 @@
 
 Workloads: a GPT-2-small-shaped decode step (static KV cache of 1024 positions written
 in place) at each ``--batch``, a tiny 4-layer 256-wide MLP at batch 1 that shows the
-per-call overhead, and a variable-batch run (buckets against one graph per size).
+per-call overhead, a variable-batch run (buckets against one graph per size), and,
+where transformers is installed, ``generate()`` with a static cache (``bench_generate``).
+The decode step also runs under ``verify_every=1000`` (the cost of verified replays).
 Every method gets the same inputs; its first three calls are timed together with its
 setup (warmup and capture, or compilation), its outputs are checked against eager, and
 the steady state is timed in rounds interleaved across methods (median microseconds per
@@ -236,7 +238,7 @@ def environment() -> dict[str, Any]:
 def format_table(results: list[Result]) -> str:
     """Per workload: each method's time, its ratio to eager and to the hand-written
     graph, and its first calls (set-up included)."""
-    head = (f"{'workload':<14} {'method':<23} {'us/step':>9} {'eager/x':>8} "
+    head = (f"{'workload':<14} {'method':<28} {'us/step':>9} {'eager/x':>8} "
             f"{'x/hand':>7} {'x-hand us':>9} {'first calls ms':>15}  note")
     lines = [head, "-" * len(head)]
     for workload in dict.fromkeys(r.workload for r in results):
@@ -246,7 +248,7 @@ def format_table(results: list[Result]) -> str:
         for r in rows:
             t = r.us_per_step
             lines.append(
-                f"{workload:<14} {r.method:<23} {_num(t, '9.1f')} "
+                f"{workload:<14} {r.method:<28} {_num(t, '9.1f')} "
                 f"{_ratio(eager, t):>8} {_ratio(t, hand, 3):>7} "
                 f"{_num(t - hand if t is not None and hand else None, '9.1f')} "
                 f"{_num(r.first_calls_ms, '15.1f')}  {r.note}".rstrip())
@@ -330,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="METHOD", help=f"methods to run (default: all of {METHODS})")
     parser.add_argument("--no-variable", dest="variable", action="store_false",
                         help="skip the variable-batch run")
+    parser.add_argument("--no-generate", dest="generate", action="store_false",
+                        help="skip the transformers generate() workload (it runs only where "
+                        "transformers is installed; the compiled path takes about 15 s)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON "
                         "('-' for standard output, replacing the tables)")
     parser.add_argument("--plot", metavar="PNG", help="draw decode latency per batch size "
@@ -367,14 +372,32 @@ def main(argv: list[str] | None = None) -> int:
         progress("variable batch: eager, buckets, one graph per size")
         variable = bench_variable(rounds=args.rounds)
         say(format_variable(variable))
+    generate: list[Any] = []
+    if args.generate:
+        generate = _generate(progress, say)
     if args.json:
         write_json(args.json, {"cuda": True, "environment": env, "options": vars(args),
                                "results": [asdict(r) for r in results],
-                               "variable": [asdict(r) for r in variable]})
+                               "variable": [asdict(r) for r in variable],
+                               "generate": [asdict(r) for r in generate]})
     if args.plot:
         plot(results, args.plot, f"autograph bench, {env['date']}: {env['gpu_name']} "
              f"({env['gpu_arch']}), torch {env['torch']}, CUDA {env['cuda_runtime']}")
     return 0
+
+
+def _generate(progress: Progress, say: Callable[..., None]) -> list[Any]:
+    """The transformers workload, or a line saying why it is skipped."""
+    from . import bench_generate as gen
+
+    why = gen.available()
+    if why is not None:
+        say(f"generate workload skipped: {why}")
+        return []
+    progress("generate: Llama-shaped, 4 layers, hidden 512, fp16, batch 1, static cache")
+    rows = gen.bench_generate(progress=progress)
+    say(gen.format_generate(rows, "generate, 128 new tokens (Llama 4L/512 fp16 b1)"))
+    return rows
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

@@ -18,7 +18,9 @@ import torch
 
 from autograph import graphed, stats
 
-METHODS = ("eager", "hand-graph", "autograph", "torch.compile", "make_graphed_callables")
+METHODS = ("eager", "hand-graph", "autograph", "autograph verify_every=1000", "torch.compile",
+           "make_graphed_callables")
+VERIFY_EVERY = 1000
 
 
 @dataclass
@@ -42,14 +44,25 @@ def _eager(model: Any, inputs: list[torch.Tensor], persistent: list[torch.Tensor
 
 
 def _autograph(model: Any, inputs: list[torch.Tensor],
-               persistent: list[torch.Tensor]) -> Method:
-    fast = graphed(model)
+               persistent: list[torch.Tensor], **options: Any) -> Method:
+    fast = graphed(model, **options)
 
     def note() -> str:
         s = stats(fast)
-        return "" if s["eager"] <= 2 else f"{s['eager']} eager calls: {dict(s['eager_reasons'])}"
+        parts = [f"{s['verifications']} verified replays, {s['verify_failures']} failed"
+                 ] if options.get("verify_every") else []
+        if s["eager"] > 2:
+            parts.append(f"{s['eager']} eager calls: {dict(s['eager_reasons'])}")
+        return "; ".join(parts)
 
     return Method("autograph", lambda *xs: fast(*xs, *persistent), note)
+
+
+def _verified(model: Any, inputs: list[torch.Tensor], persistent: list[torch.Tensor]) -> Method:
+    """autograph with every 1000th replay also run eagerly on copies and compared."""
+    method = _autograph(model, inputs, persistent, verify_every=VERIFY_EVERY)
+    method.name = f"autograph verify_every={VERIFY_EVERY}"
+    return method
 
 
 def _hand(model: Any, inputs: list[torch.Tensor], persistent: list[torch.Tensor]) -> Method:
@@ -119,6 +132,7 @@ _BUILDERS: dict[str, Callable[[Any, list[torch.Tensor], list[torch.Tensor]], Met
     "eager": _eager,
     "hand-graph": _hand,
     "autograph": _autograph,
+    "autograph verify_every=1000": _verified,
     "torch.compile": _compiled,
     "make_graphed_callables": _make_graphed,
 }

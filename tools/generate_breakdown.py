@@ -1,0 +1,89 @@
+"""Where a token of ``generate()`` goes: eager, autograph and transformers' compiled path.
+
+For each path: wall milliseconds per new token, the device time per token (the sum of
+kernel times in a torch.profiler trace of one generate, divided by the new tokens), and,
+for autograph, the host time spent inside autograph per decode call (keying, guards,
+launching the replay).  Wall minus device time is what the host adds (generate's own
+loop waits on the device once per token to test for the end).
+
+    PYTHONPATH=. python tools/generate_breakdown.py [--new 128]
+"""
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import autograph
+from autograph.cli.bench_generate import build_model
+from autograph.dispatch import Engine
+
+
+def device_ms(fn):
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.key_averages():
+        total_us += getattr(evt, "self_device_time_total", 0.0) or getattr(
+            evt, "self_cuda_time_total", 0.0)
+    return total_us / 1e3
+
+
+def wall_ms(fn, runs=3):
+    best = float("inf")
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--new", type=int, default=128)
+    args = p.parse_args()
+    model = build_model()
+    ids = torch.randint(3, 32000, (1, 16), device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=args.new, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    fast = autograph.graphed(model)
+    paths = {
+        "eager": lambda: model.generate(ids, **kw, disable_compile=True),
+        "autograph": lambda: fast.generate(ids, **kw, disable_compile=True),
+        "transformers compiled": lambda: model.generate(ids, **kw),
+    }
+    host = []
+    dispatch = Engine.dispatch
+
+    def timed_dispatch(self, a, k):
+        start = time.perf_counter()
+        try:
+            return dispatch(self, a, k)
+        finally:
+            host.append(time.perf_counter() - start)
+
+    with torch.inference_mode():
+        for name, fn in paths.items():
+            fn()  # set-up, capture, compilation
+            wall = wall_ms(fn) / args.new
+            dev = device_ms(fn) / args.new
+            line = (f"{name:<24} wall {wall:7.3f} ms/token   device {dev:7.3f} ms/token   "
+                    f"host-added {wall - dev:7.3f}")
+            if name == "autograph":
+                Engine.dispatch = timed_dispatch
+                try:
+                    fn()
+                finally:
+                    Engine.dispatch = dispatch
+                steps = sorted(host)[: max(1, len(host) - 2)]  # without the prefill
+                line += (f"   autograph per call {1e6 * sum(steps) / len(steps):6.1f} us "
+                         f"(median {1e6 * steps[len(steps) // 2]:6.1f})")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

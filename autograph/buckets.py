@@ -126,12 +126,13 @@ class Bucketer:
         eager_before = self.stats.eager
         if size == real:
             out = self.engine.dispatch(args, kwargs)
-        elif self.slots.lock.acquire(blocking=False):
+        elif not torch.is_grad_enabled() and self.slots.lock.acquire(blocking=False):
             try:
                 out = self._padded(args, kwargs, batch, size, real, learned)
             finally:
                 self.slots.lock.release()
-        else:  # another call (a thread, a nested call) is using the buffers
+        else:  # another call (a thread, a nested call) is using the buffers, or grad mode
+            # is on (autograd may keep the padded inputs for a backward): new tensors
             padded = padded_call(args, kwargs, batch, size, self._fills(batch))
             out = slice_back(self.engine.dispatch(*padded), size, real, out_dim(batch))
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)

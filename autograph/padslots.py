@@ -17,8 +17,11 @@ The caller's tensors are only read, except that rows the function wrote in place
 a padded argument are copied back into the caller's tensor, as eager would have
 written them.  Outputs that view a buffer are cloned, so a later call never changes a
 result already returned.  The buffers serve one call at a time (a lock taken without
-waiting: a concurrent or nested call pads into fresh tensors instead), and on CUDA a
-call on another stream than the last one first waits for it.
+waiting: a concurrent or nested call pads into fresh tensors instead), only calls made
+without grad mode (autograd could keep a buffer for a backward that a later call would
+then break), and, made in inference mode, only calls in inference mode (they are
+inference tensors).  On CUDA a call on another stream than the last one first waits
+for it.
 """
 
 from __future__ import annotations
@@ -93,17 +96,19 @@ class PadSlots:
         """The slot of this call's layout, made on first use with the pad values
         ``fills(batch)`` returns.  Holding ``lock``."""
         layout = tuple([(k, d, t.shape, t.stride(), t.dtype, t.device) for k, t, d in batch])
-        slot = self._slots.get((size, layout))
+        # buffers made in inference mode are inference tensors: written only in it
+        size_mode = (size, torch.is_inference_mode_enabled())
+        slot = self._slots.get((size_mode, layout))
         if slot is None:
             if len(self._slots) >= MAX_SLOTS:
                 self._slots.clear()
                 self._buffers.clear()
             shape = tuple((k, d, _without(t.shape, d), _order(t), t.dtype, t.device)
                           for k, t, d in batch)
-            buffers = self._buffers.get((size, shape))
+            buffers = self._buffers.get((size_mode, shape))
             if buffers is None:
-                buffers = self._buffers[(size, shape)] = Buffers(batch, size, fills(batch))
-            slot = self._slots[(size, layout)] = Slot(buffers, real, out_dim(batch))
+                buffers = self._buffers[(size_mode, shape)] = Buffers(batch, size, fills(batch))
+            slot = self._slots[(size_mode, layout)] = Slot(buffers, real, out_dim(batch))
         return slot
 
     def clear(self) -> None:

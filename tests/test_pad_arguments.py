@@ -261,3 +261,23 @@ def test_a_call_while_the_buffers_are_in_use_pads_into_new_tensors():
             thread.start()
             thread.join()
         torch.testing.assert_close(done[0], x * 2)
+
+
+def test_buffers_made_in_inference_mode_and_calls_under_no_grad_or_grad_mode():
+    lin = nn.Linear(2, 2)
+    g = autograph.graphed(lin, buckets=[4], warmup=0)
+    with torch.inference_mode():  # buffers made here are inference tensors
+        for _ in range(3):
+            x = torch.randn(3, 2)
+            torch.testing.assert_close(g(x), lin(x))
+    with torch.no_grad():  # so calls outside inference mode get buffers of their own
+        for _ in range(3):
+            x = torch.randn(3, 2)
+            torch.testing.assert_close(g(x), lin(x))
+    # grad mode: autograd keeps the padded input for backward; a later call must not
+    # overwrite it (these calls pad into new tensors, and run eagerly)
+    x, other = torch.randn(3, 2, requires_grad=True), torch.randn(3, 2, requires_grad=True)
+    out = g(x)
+    g(other).sum().backward()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, lin.weight.sum(0).expand(3, -1))

@@ -83,6 +83,7 @@ def graphed(  # type: ignore[overload-overlap]  # a module is callable: it keeps
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    pad_writes: Mapping[str | int, tuple[int, Any]] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
@@ -99,6 +100,7 @@ def graphed(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    pad_writes: Mapping[str | int, tuple[int, Any]] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
@@ -113,6 +115,7 @@ def graphed(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    pad_writes: Mapping[str | int, tuple[int, Any]] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
@@ -130,6 +133,7 @@ def graphed(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    pad_writes: Mapping[str | int, tuple[int, Any]] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
@@ -162,6 +166,10 @@ def graphed(
             tensor argument that the function does not write in place.
         pad_values: per argument name (or position), the value of padded rows
             (default 0).
+        pad_writes: per argument name (or position) written in place, where padded rows
+            may write, as ``(dim, index)`` (an int, a slice or a list of ints), e.g.
+            ``{"cache": (0, DUMMY_SLOT)}`` when padded rows get ``DUMMY_SLOT`` through
+            ``pad_values``.  The padding check ignores differences there, and only there.
         min_speedup: keep a key's graph only if it replays at least this many times
             faster than the key ran eagerly (e.g. ``1.2``); otherwise the key runs
             eagerly, counted with its reason.  Eager is timed on the warmup runs after
@@ -190,7 +198,7 @@ def graphed(
             call to replay every time.
     """
     options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                      min_speedup, group, verify_every, outputs)
+                      min_speedup, group, verify_every, outputs, pad_writes)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -204,6 +212,7 @@ def capture_region(
     buckets: Sequence[int] | None = None,
     batch_dims: Mapping[str | int, int | None] | None = None,
     pad_values: Mapping[str | int, Any] | None = None,
+    pad_writes: Mapping[str | int, tuple[int, Any]] | None = None,
     min_speedup: float | None = None,
     group: Any = None,
     verify_every: int | None = None,
@@ -225,7 +234,7 @@ def capture_region(
     Args: the options of :func:`graphed`.
     """
     return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                          min_speedup, group, verify_every, outputs))
+                          min_speedup, group, verify_every, outputs, pad_writes))
 
 
 def save_plan(path: str | os.PathLike[str]) -> None:

@@ -10,47 +10,38 @@ The rule, precisely:
   own shapes (no padding).  The bucket is the smallest size >= B; a call larger than
   the largest bucket runs eagerly and counts as a miss.
 * Each batch argument is padded along its batch dimension up to the bucket with its
-  ``pad_values`` entry (default 0); every tensor output whose batch dimension has the
-  bucket's size is sliced back to B rows.
+  ``pad_values`` entry (default 0), into buffers kept per bucket (``padslots``); every
+  tensor output whose batch dimension has the bucket's size is sliced back to B rows.
 * Padding is only correct when rows do not interact: row-wise ops (linear layers,
   layer norm, attention within a sequence, embedding look-ups) are safe; ops that mix
   rows (batch norm in training mode, reductions or softmax over the batch dimension,
   sorting or top-k across the batch) and writes that depend on the batch (padded rows
   writing into a cache) are not.  Before the first padded replay of each bucket,
   autograph runs the call both ways, eagerly, on copies of the arguments; if the real
-  rows differ, or the padded run changes anything the real run did not, padding is
-  switched off for that callable (one graph per exact shape), with a counted reason.
+  rows differ, or the padded run changes anything the real run did not (outside the
+  argument's ``pad_writes`` region, where padded rows are allowed to write), padding is
+  switched off for that context (one graph per exact shape), with a counted reason.
+
+Per-argument options are read through one resolver (``arguments.Arguments``): names and
+positions find the same entry however the call passes the argument.
 """
 
 from __future__ import annotations
 
 import bisect
-import inspect
 import logging
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from . import padcheck, padslots
 from . import switch as _switch
+from .arguments import Arguments, Key
 from .dispatch import Engine
 from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
-from .padding import (
-    Batch,
-    arg_of,
-    compare,
-    compare_writes,
-    copies,
-    empty_in_layout,
-    graphable,
-    out_dim,
-    rows_of,
-    size_of,
-    slice_back,
-    tensors_of,
-)
+from .padding import Batch, graphable, out_dim, padded_call, rows_of, slice_back
 from .vocab import EagerReason, Uncapturable, logger
 
 
@@ -59,8 +50,8 @@ class Learned:
 
     __slots__ = ("written", "verified", "unsafe")
 
-    def __init__(self, written: set[str | int]) -> None:
-        self.written = written  # positions and names of arguments written in place
+    def __init__(self, written: set[Key]) -> None:
+        self.written = written  # canonical keys (see arguments) of arguments written
         self.verified: set[int] = set()  # buckets whose padding was checked
         self.unsafe: str | None = None  # why padding is off in this context
 
@@ -74,13 +65,16 @@ class Bucketer:
         self.names = engine.names
         self.ranks = engine.ranks  # with a process group: the batch size is agreed
         self.sizes = options.buckets or ()
-        self.dims = options.batch_dims or {}
-        self.pads = options.pad_values or {}
+        self.args = Arguments(engine.names)
+        self.dims = self.args.normalize(options.batch_dims)
+        self.pads = self.args.normalize(options.pad_values)
+        self.writes = self.args.normalize(options.pad_writes)
+        self.slots = padslots.PadSlots()
         self._learned: dict[Any, Learned] = {}
-        self._plans: dict[Any, list[tuple[str | int, int]]] = {}
+        self._plans: dict[Any, list[tuple[Key, int]]] = {}
 
     @property
-    def written(self) -> set[str | int] | None:
+    def written(self) -> set[Key] | None:
         """The arguments written in place, as learned on the last context (or None)."""
         if not self._learned:
             return None
@@ -132,12 +126,40 @@ class Bucketer:
         eager_before = self.stats.eager
         if size == real:
             out = self.engine.dispatch(args, kwargs)
-        else:
-            padded_args, padded_kwargs = self._pad(args, kwargs, batch, size)
-            out = slice_back(self.engine.dispatch(padded_args, padded_kwargs), size, real,
-                         out_dim(batch))
+        elif not torch.is_grad_enabled() and self.slots.lock.acquire(blocking=False):
+            try:
+                out = self._padded(args, kwargs, batch, size, real, learned)
+            finally:
+                self.slots.lock.release()
+        else:  # another call (a thread, a nested call) is using the buffers, or grad mode
+            # is on (autograd may keep the padded inputs for a backward): new tensors
+            padded = padded_call(args, kwargs, batch, size, self._fills(batch))
+            out = slice_back(self.engine.dispatch(*padded), size, real, out_dim(batch))
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
         return out
+
+    def _padded(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
+                size: int, real: int, learned: Learned) -> Any:
+        """The call on the bucket's persistent padded buffers (holding ``slots.lock``)."""
+        slot = self.slots.slot(batch, size, real, self._fills)
+        buffers = padslots.fill(slot, batch)
+        new_args, new_kwargs = list(args), dict(kwargs)
+        for (key, _, _), buf in zip(batch, buffers):
+            if isinstance(key, int):
+                new_args[key] = buf
+            else:
+                new_kwargs[key] = buf
+        out = self.engine.dispatch(tuple(new_args), new_kwargs)
+        if learned.written:
+            canonical = self.args.canonical
+            written = [i for i, (k, _, _) in enumerate(batch) if canonical(k) in learned.written]
+            if written:
+                padslots.hand_back(slot, batch, written)
+        return padslots.unshared(slice_back(out, size, real, slot.out_dim), slot.ptrs)
+
+    def _fills(self, batch: Batch) -> list[Any]:
+        """The pad value of each batch argument."""
+        return [self.pads.get(self.args.canonical(k), 0) for k, _, _ in batch]
 
     # -- what is learned, per context ---------------------------------------------------
     def _context(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -170,10 +192,9 @@ class Bucketer:
             self.stats.count_eager(EagerReason.LEARNING, warn=False)
             with recorder:
                 out = self.engine.eager(args, kwargs)
-        keys = [*range(len(args)), *kwargs]
-        written = {keys[i] for i in recorder.written if i != state}
-        written |= {self._name(k) for k in written if isinstance(k, int)}
-        learned = self._learned[context] = Learned(written)
+        keys = self.args.keys_of(args, kwargs)
+        learned = self._learned[context] = Learned({keys[i] for i in recorder.written
+                                                    if i != state})
         if len(self._learned) > 256:  # ever new non-tensor values: keep it bounded
             self._learned.pop(next(iter(self._learned)))
         if state in recorder.written:
@@ -191,29 +212,13 @@ class Bucketer:
         """Learn and check everything again from the next call."""
         self._learned = {}
         self._plans = {}
+        self.slots.clear()
         self.stats.padding = None
 
     def _turn_off(self, learned: Learned, why: str) -> None:
         learned.unsafe = f"padding off: {why}; one graph per batch size"
         self.stats.padding = learned.unsafe
         logger.warning("%s: %s", self.stats.name, learned.unsafe)
-
-    def _name(self, key: str | int) -> str | int:
-        if isinstance(key, int) and key < len(self.names):
-            return self.names[key]
-        return key
-
-    def _option(self, mapping: Mapping[str | int, Any], key: str | int, default: Any) -> Any:
-        """An argument's entry in ``batch_dims`` or ``pad_values``, by name or position
-        alike, whether the call passed it by position or by keyword."""
-        name = self._name(key)
-        if name in mapping:
-            return mapping[name]
-        if key in mapping:
-            return mapping[key]
-        if isinstance(key, str) and key in self.names and self.names.index(key) in mapping:
-            return mapping[self.names.index(key)]
-        return default
 
     def _batch_args(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                     learned: Learned) -> Batch:
@@ -232,82 +237,25 @@ class Bucketer:
                 out.append((key, value, dim))
         return out
 
-    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], written: set[str | int]
-              ) -> list[tuple[str | int, int]]:
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], written: set[Key]
+              ) -> list[tuple[Key, int]]:
         """(position or name, batch dim) of the arguments that carry the batch when they
         are tensors, for calls of this many positional arguments and these keywords."""
-        plan: list[tuple[str | int, int]] = []
-        for key in (*range(len(args)), *kwargs):
-            default = None if (key in written or self._name(key) in written) else 0
-            dim = self._option(self.dims, key, default)
+        plan: list[tuple[Key, int]] = []
+        for key, canon in zip((*range(len(args)), *kwargs), self.args.keys_of(args, kwargs)):
+            dim = self.dims.get(canon, None if canon in written else 0)
             if dim is not None:
                 plan.append((key, dim))
         return plan
-
-    def _pad(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, size: int
-             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        new_args, new_kwargs = list(args), dict(kwargs)
-        for key, t, dim in batch:
-            real = t.shape[dim]
-            shape = list(t.shape)
-            shape[dim] = size
-            padded = empty_in_layout(t, shape)
-            padded.narrow(dim, 0, real).copy_(t)
-            padded.narrow(dim, real, size - real).fill_(self._option(self.pads, key, 0))
-            if isinstance(key, int):
-                new_args[key] = padded
-            else:
-                new_kwargs[key] = padded
-        return tuple(new_args), new_kwargs
-
-    def _poison_written(self, written: set[str | int], *copies: Any) -> None:
-        """Fill the (copied) floating-point arguments the function writes with the same
-        random values in both runs: a padded row writing into a cache is then seen even
-        where it would write what the cache happens to hold already."""
-        plain_args, plain_kwargs, pad_args, pad_kwargs = copies
-        for key in (*range(len(plain_args)), *plain_kwargs):
-            if key not in written and self._name(key) not in written:
-                continue
-            a, b = arg_of(plain_args, plain_kwargs, key), arg_of(pad_args, pad_kwargs, key)
-            if isinstance(a, torch.Tensor) and a.is_floating_point():
-                noise = torch.randn_like(a)
-                a.copy_(noise)
-                b.copy_(noise)
 
     # -- the safety check ---------------------------------------------------------------
     def _padding_is_safe(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
                          size: int, learned: Learned) -> bool:
         """Run the call eagerly as it is and padded, on copies; compare what it computes."""
-        real = size_of(batch[0][1], batch[0][2])
-        plain_args, plain_kwargs = copies(args, kwargs)
-        pad_args, pad_kwargs = copies(args, kwargs)
-        self._poison_written(learned.written, plain_args, plain_kwargs, pad_args, pad_kwargs)
-        pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
-        padded_args, padded_kwargs = self._pad(pad_args, pad_kwargs, pad_batch, size)
-        eager = self.engine.eager
-        try:
-            with torch.no_grad():
-                expect = eager(plain_args, plain_kwargs)
-                got = slice_back(eager(padded_args, padded_kwargs), size, real, out_dim(batch))
-        except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
-            problem: str | None = f"the padded call raised {type(exc).__name__}"
-        else:
-            problem = compare(expect, got) or compare_writes(
-                tensors_of(plain_args, plain_kwargs), tensors_of(pad_args, pad_kwargs)
-            )
+        problem = padcheck.problem(self.engine.eager, args, kwargs, batch, size,
+                                   learned.written, self.args, self._fills(batch), self.writes)
         if problem is None:
             learned.verified.add(size)
             return True
         self._turn_off(learned, f"padding changes results ({problem})")
         return False
-
-
-def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
-    """Names of ``fn``'s positional parameters, to match ``batch_dims`` by name."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return []
-    names = [p.name for p in params
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return names[1:] if skip_self and names else names

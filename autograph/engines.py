@@ -8,14 +8,14 @@ call).  Every live engine is listed weakly here, for ``reset()``, ``stats()`` an
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from .buckets import Bucketer, positional_names
+from .arguments import check_argument_keys, positional_names
+from .buckets import Bucketer
 from .dispatch import Engine
 from .guards import Watch
 from .options import Options
@@ -68,52 +68,6 @@ def make_engine(fn: Callable[..., Any], options: Options, name: str,
     handle = Handle(engine, code, method)
     _handles.add(handle)
     return handle
-
-
-def check_argument_keys(options: Options, fn: Callable[..., Any], skip_self: bool) -> None:
-    """Raise ``ValueError`` if ``batch_dims`` or ``pad_values`` name an argument that
-    ``fn`` does not have: a name that is not one of its parameters, or a position past
-    its positional parameters (unless it takes ``*args``/``**kwargs``)."""
-    keys = [(what, key) for what, mapping in (("batch_dims", options.batch_dims),
-                                              ("pad_values", options.pad_values))
-            for key in (mapping or {})]
-    if not keys:
-        return
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return  # no signature to check against (a builtin, a C extension)
-    kinds = inspect.Parameter
-    if skip_self and params and params[0].kind in (kinds.POSITIONAL_ONLY,
-                                                   kinds.POSITIONAL_OR_KEYWORD):
-        params = params[1:]
-    positional = [p.name for p in params
-                  if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
-    named = [p.name for p in params
-             if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
-    var_args = any(p.kind is kinds.VAR_POSITIONAL for p in params)
-    var_kwargs = any(p.kind is kinds.VAR_KEYWORD for p in params)
-    fn_name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    listed = ", ".join(p.name if p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)
-                       else ("*" if p.kind is kinds.VAR_POSITIONAL else "**") + p.name
-                       for p in params) or "none"
-    for what, key in keys:
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
-            raise ValueError(f"autograph: {what} keys are argument names or positions, "
-                             f"got {key!r}")
-        if isinstance(key, str):
-            if key in named or key in positional or var_kwargs:
-                continue
-            raise ValueError(f"autograph: {what} names {key!r}, which is not a parameter of "
-                             f"{fn_name}; its parameters are: {listed}")
-        if key < 0:
-            raise ValueError(f"autograph: {what} position {key} is negative; positions count "
-                             f"from 0 (the first argument after self)")
-        if key >= len(positional) and not var_args:
-            raise ValueError(
-                f"autograph: {what} names position {key}, but {fn_name} takes "
-                f"{len(positional)} positional argument(s) ({', '.join(positional) or 'none'});"
-                f" its parameters are: {listed}")
 
 
 def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., Any],

@@ -32,6 +32,10 @@ class Options:
         arguments carry it in dim 0, except those the function writes in place.
     pad_values: per argument (name or position), the value padded rows are filled with
         (default 0).
+    pad_writes: per argument (name or position) that the function writes in place, the
+        part padded rows may write: ``(dim, index)`` with an int, a slice or a list of
+        ints, e.g. ``{"cache": (0, DUMMY_SLOT)}``.  The padding check ignores differences
+        there (and only there); writes elsewhere still turn padding off.
     min_speedup: keep a graph only if its replays are at least this many times faster
         than eager (a number >= 1), timed on the key's warmup runs and its first replays
         (wall clock, synchronized).  None: keep every graph.
@@ -55,6 +59,7 @@ class Options:
     group: Any = None
     verify_every: int | None = None
     outputs: str = "clone"
+    pad_writes: Mapping[str | int, tuple[int, Any]] | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -70,7 +75,8 @@ class Options:
             for size in sizes:
                 _int_at_least("every bucket", size, 1)
             object.__setattr__(self, "buckets", tuple(sorted(set(sizes))))
-        for name, mapping in (("batch_dims", self.batch_dims), ("pad_values", self.pad_values)):
+        for name, mapping in (("batch_dims", self.batch_dims), ("pad_values", self.pad_values),
+                              ("pad_writes", self.pad_writes)):
             if mapping is None:
                 mapping = {}
             if not isinstance(mapping, Mapping):
@@ -101,3 +107,26 @@ class Options:
         for arg, dim in self.batch_dims.items():  # type: ignore[union-attr]
             if dim is not None:
                 _int_at_least(f"batch_dims[{arg!r}]", dim, 0)
+        writes = {arg: _region(arg, where)
+                  for arg, where in self.pad_writes.items()}  # type: ignore[union-attr]
+        object.__setattr__(self, "pad_writes", writes)
+
+
+def _region(arg: Any, where: Any) -> tuple[int, int | slice | tuple[int, ...]]:
+    """A ``pad_writes`` entry as ``(dim, index)``, the index an int, a slice or a tuple of
+    ints (a list is made a tuple, so that options compare and pickle as values)."""
+    name = f"pad_writes[{arg!r}]"
+    if not isinstance(where, tuple) or len(where) != 2:
+        raise ValueError(f"autograph: {name} must be a (dim, index) pair, e.g. (0, 7) for "
+                         f"index 7 of dim 0, got {where!r}")
+    dim, index = where
+    _int_at_least(f"{name}'s dim", dim, 0)
+    if isinstance(index, (list, tuple)):
+        index = tuple(index)
+        ok = bool(index) and all(isinstance(i, int) and not isinstance(i, bool) for i in index)
+    else:
+        ok = isinstance(index, slice) or (isinstance(index, int) and not isinstance(index, bool))
+    if not ok:
+        raise ValueError(f"autograph: {name}'s index must be an int, a slice or a non-empty "
+                         f"list of ints, got {index!r}")
+    return dim, index

@@ -7,6 +7,9 @@ from torch import nn
 import autograph
 from autograph.cli.models import Decoder
 
+from ..serving import BUCKETS as SERVE_BUCKETS
+from ..serving import DUMMY, SlotDecoder, assert_same_outside_dummy, serve, warm
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 BUCKETS = [1, 2, 4, 8, 16]
@@ -64,3 +67,46 @@ def test_memory_budget_holds():
             assert autograph.stats(g)["graph_memory_bytes"] <= budget
     s = autograph.stats(g)
     assert s["evictions"] >= 1 or any("max_graph_memory" in r for r in s["eager_reasons"])
+
+
+# -- serving: a slot-based KV cache (issue 16) ---------------------------------------------
+def slot_step(**options):
+    torch.manual_seed(0)
+    model = SlotDecoder(vocab=1000, d=128).cuda().eval()
+    return model, autograph.graphed(model, buckets=SERVE_BUCKETS, warmup=1, **options)
+
+
+SERVING = {"pad_values": {"slot_ids": DUMMY},
+           "pad_writes": {"k_cache": (0, DUMMY), "v_cache": (0, DUMMY)}}
+
+
+def test_slot_cache_serving_loop_one_graph_per_bucket():
+    """Continuous batching over a slot cache, called positionally: padded rows write the
+    dummy slot only, so padding stays on, one graph per bucket, replays equal eager."""
+    model, step = slot_step(**SERVING)
+    cache, ref = serve(step, model, model, "cuda", steps=120, atol=1e-4)
+    assert_same_outside_dummy(cache, ref)
+    s = autograph.stats(step)
+    assert s["padding"] is None
+    assert s["graphs"] == s["captures"] == len(SERVE_BUCKETS)
+    assert s["bucket_misses"] == 0 and s["replays"] >= 120 - 1 - 2 * len(SERVE_BUCKETS)
+    assert sum(b["padded_rows"] for b in s["buckets"].values()) > 0
+
+
+def test_slot_cache_serving_after_warmup_captures_nothing():
+    model, step = slot_step(**SERVING)
+    cache = warm(step, model, "cuda")
+    captured = autograph.stats(step)["captures"]
+    assert captured == len(SERVE_BUCKETS)
+    cache, ref = serve(step, model, model, "cuda", steps=120, atol=1e-4, cache=cache)
+    assert_same_outside_dummy(cache, ref)
+    s = autograph.stats(step)
+    assert s["captures"] == captured and s["padding"] is None
+    assert s["eager"] <= 1 + 2 * len(SERVE_BUCKETS)  # learning, warmup runs; no capture
+
+
+def test_slot_cache_serving_without_pad_writes_keeps_eager_results():
+    model, step = slot_step(pad_values={"slot_ids": DUMMY})
+    cache, ref = serve(step, model, model, "cuda", steps=40, atol=1e-4)
+    assert_same_outside_dummy(cache, ref)
+    assert "k_cache" in autograph.stats(step)["padding"]

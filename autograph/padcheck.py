@@ -1,0 +1,95 @@
+"""The padding safety check: run a call eagerly as it is and padded, on copies, and say
+what padding would change.
+
+Padding is only correct when rows do not interact.  Before the first padded replay of
+each bucket (per context, see ``buckets``) the call runs twice, eagerly, under
+``no_grad``, on copies of its arguments: once as it is, once padded.  The real rows of
+the outputs must match, and every argument must end up as the real run leaves it (a
+padded argument on its real rows): padded rows may not write into a cache or table,
+except inside that argument's ``pad_writes`` region, where differences are ignored (and
+only there: a write anywhere else is still a problem).  Floating-point arguments the
+function writes are first filled with the same random values in both runs, so a padded
+row writing what the cache happens to hold already is still seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .arguments import Arguments, Key
+from .padding import (
+    Batch,
+    Region,
+    arg_of,
+    compare,
+    compare_writes,
+    copies,
+    out_dim,
+    padded_call,
+    size_of,
+    slice_back,
+)
+
+Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
+            size: int, written: set[Key], names: Arguments, fills: list[Any],
+            regions: dict[Key, Region]) -> str | None:
+    """What padding this call up to ``size`` changes, or None when nothing does."""
+    real = size_of(batch[0][1], batch[0][2])
+    plain_args, plain_kwargs = copies(args, kwargs)
+    pad_args, pad_kwargs = copies(args, kwargs)
+    _poison(written, names, plain_args, plain_kwargs, pad_args, pad_kwargs)
+    pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
+    padded = padded_call(pad_args, pad_kwargs, pad_batch, size, fills)
+    try:
+        with torch.no_grad():
+            expect = eager(plain_args, plain_kwargs)
+            got = slice_back(eager(*padded), size, real, out_dim(batch))
+    except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
+        return f"the padded call raised {type(exc).__name__}"
+    return compare(expect, got) or compare_writes(
+        *_after(names, plain_args, plain_kwargs, pad_args, pad_kwargs, padded, batch, real),
+        regions)
+
+
+def _poison(written: set[Key], names: Arguments, plain_args: tuple[Any, ...],
+            plain_kwargs: dict[str, Any], pad_args: tuple[Any, ...],
+            pad_kwargs: dict[str, Any]) -> None:
+    """Fill the (copied) floating-point arguments the function writes with the same
+    random values in both runs."""
+    keys = names.keys_of(plain_args, plain_kwargs)
+    for key, canon in zip((*range(len(plain_args)), *plain_kwargs), keys):
+        if canon not in written:
+            continue
+        a, b = arg_of(plain_args, plain_kwargs, key), arg_of(pad_args, pad_kwargs, key)
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            noise = torch.randn_like(a)
+            a.copy_(noise)
+            b.copy_(noise)
+
+
+def _after(names: Arguments, plain_args: tuple[Any, ...], plain_kwargs: dict[str, Any],
+           pad_args: tuple[Any, ...], pad_kwargs: dict[str, Any],
+           padded: tuple[tuple[Any, ...], dict[str, Any]], batch: Batch, real: int
+           ) -> tuple[list[tuple[Key, torch.Tensor]], list[torch.Tensor]]:
+    """What the check compares after both runs: per tensor argument (canonical key, the
+    real run's tensor) and the padded run's tensor (for a padded argument, its real
+    rows, which the function may have written in place)."""
+    dims = {key: dim for key, _, dim in batch}
+    plain: list[tuple[Key, torch.Tensor]] = []
+    other: list[torch.Tensor] = []
+    keys = names.keys_of(plain_args, plain_kwargs)
+    for key, canon in zip((*range(len(plain_args)), *plain_kwargs), keys):
+        p = arg_of(plain_args, plain_kwargs, key)
+        if not isinstance(p, torch.Tensor):
+            continue
+        q = arg_of(*padded, key).narrow(dims[key], 0, real) if key in dims \
+            else arg_of(pad_args, pad_kwargs, key)
+        plain.append((canon, p))
+        other.append(q)
+    return plain, other

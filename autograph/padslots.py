@@ -1,0 +1,174 @@
+"""Persistent padded inputs: per bucket, buffers that padded calls write in place.
+
+A padded call used to allocate a padded copy of each batch argument, copy the real rows
+in and fill the padded rows, every call.  Here each bucket keeps, per layout of its
+batch arguments, one buffer per argument at the bucket's size, allocated once (in the
+argument's dimension order, as ``padding.empty_in_layout`` makes it).  A call copies
+its real rows in, with one batched copy into views made once per real size, and passes
+the buffers on; nothing else is allocated.
+
+The padded rows hold the pad value on every call: they are filled when the buffer is
+made, and filled again only where a larger batch left real rows behind (each buffer
+set remembers from which row on it is clean) or after the function wrote into a buffer
+in place; measured on the CPU, filling lazily costs nothing on calls of one size, while
+filling on every call costs one ``fill_`` per argument (``tools/pad_overhead.py``).
+
+The caller's tensors are only read, except that rows the function wrote in place into
+a padded argument are copied back into the caller's tensor, as eager would have
+written them.  Outputs that view a buffer are cloned, so a later call never changes a
+result already returned.  The buffers serve one call at a time (a lock taken without
+waiting: a concurrent or nested call pads into fresh tensors instead), only calls made
+without grad mode (autograd could keep a buffer for a backward that a later call would
+then break), and, made in inference mode, only calls in inference mode (they are
+inference tensors).  On CUDA a call on another stream than the last one first waits
+for it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .capture import _current_stream, _stream_of
+from .padding import Batch, empty_in_layout, out_dim
+
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+# layouts and real sizes kept per bucketer, past which the oldest sets are dropped
+MAX_SLOTS = 128
+
+
+class Buffers:
+    """The padded buffers of one bucket for one layout of the batch arguments."""
+
+    __slots__ = ("tensors", "dims", "fills", "clean", "stream", "ptrs")
+
+    def __init__(self, batch: Batch, size: int, fills: list[Any]) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.dims = [d for _, _, d in batch]
+        self.fills = fills  # the pad value of each argument
+        for (_, t, dim), value in zip(batch, fills):
+            shape = list(t.shape)
+            shape[dim] = size
+            buf = empty_in_layout(t, shape)
+            buf.fill_(value)
+            self.tensors.append(buf)
+        self.clean = 0  # rows from here on hold the pad value
+        self.stream: Any = None  # (CUDA) the stream of the last call
+        self.ptrs = frozenset(b.untyped_storage().data_ptr() for b in self.tensors)
+
+    def refill(self, real: int) -> None:
+        """Fill rows ``real`` on with the pad value (real rows of a larger batch were
+        left there, or the function wrote into the buffers)."""
+        for buf, dim, value in zip(self.tensors, self.dims, self.fills):
+            size = buf.shape[dim]
+            buf.narrow(dim, real, size - real).fill_(value)
+        self.clean = real
+
+
+class Slot:
+    """Buffers seen through one real size: the views the real rows are copied into."""
+
+    __slots__ = ("buffers", "views", "real", "out_dim", "ptrs")
+
+    def __init__(self, buffers: Buffers, real: int, out_dim: int) -> None:
+        self.buffers = buffers
+        self.real = real
+        self.views = [b.narrow(d, 0, real) for b, d in zip(buffers.tensors, buffers.dims)]
+        self.out_dim = out_dim  # the dimension outputs are sliced back along
+        self.ptrs = buffers.ptrs
+
+
+class PadSlots:
+    """The persistent padded buffers of one bucketer, by bucket, layout and real size."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._slots: dict[Any, Slot] = {}
+        self._buffers: dict[Any, Buffers] = {}
+
+    def slot(self, batch: Batch, size: int, real: int,
+             fills: Callable[[Batch], list[Any]]) -> Slot:
+        """The slot of this call's layout, made on first use with the pad values
+        ``fills(batch)`` returns.  Holding ``lock``."""
+        layout = tuple([(k, d, t.shape, t.stride(), t.dtype, t.device) for k, t, d in batch])
+        # buffers made in inference mode are inference tensors: written only in it
+        size_mode = (size, torch.is_inference_mode_enabled())
+        slot = self._slots.get((size_mode, layout))
+        if slot is None:
+            if len(self._slots) >= MAX_SLOTS:
+                self._slots.clear()
+                self._buffers.clear()
+            shape = tuple((k, d, _without(t.shape, d), _order(t), t.dtype, t.device)
+                          for k, t, d in batch)
+            buffers = self._buffers.get((size_mode, shape))
+            if buffers is None:
+                buffers = self._buffers[(size_mode, shape)] = Buffers(batch, size, fills(batch))
+            slot = self._slots[(size_mode, layout)] = Slot(buffers, real, out_dim(batch))
+        return slot
+
+    def clear(self) -> None:
+        with self.lock:
+            self._slots.clear()
+            self._buffers.clear()
+
+
+def fill(slot: Slot, batch: Batch) -> list[torch.Tensor]:
+    """Copy the call's real rows into the slot's buffers (refilling padded rows a larger
+    batch left dirty) and return the buffers, in the batch's order."""
+    buffers = slot.buffers
+    first = buffers.tensors[0]
+    if first.is_cuda:
+        current = _current_stream(first.device.index)
+        if buffers.stream is not None and buffers.stream != current:
+            _stream_of(current).wait_stream(_stream_of(buffers.stream))
+        buffers.stream = current
+    if buffers.clean > slot.real:
+        buffers.refill(slot.real)
+    buffers.clean = slot.real
+    views = slot.views
+    if len(views) == 1:
+        views[0].copy_(batch[0][1])
+    elif _foreach_copy is not None:
+        _foreach_copy(views, [t for _, t, _ in batch])
+    else:  # pragma: no cover - torch without _foreach_copy_
+        for view, (_, t, _) in zip(views, batch):
+            view.copy_(t)
+    return buffers.tensors
+
+
+def hand_back(slot: Slot, batch: Batch, written: list[int]) -> None:
+    """After a call that wrote in place into the padded arguments at ``written`` (indexes
+    into the batch): their real rows go to the caller's tensors, and the buffers' padded
+    rows are refilled before the next call."""
+    for i in written:
+        batch[i][1].copy_(slot.views[i])
+    slot.buffers.clean = slot.buffers.tensors[0].shape[slot.buffers.dims[0]]
+
+
+def unshared(out: Any, ptrs: frozenset[int]) -> Any:
+    """``out`` with every tensor that lives in a padded buffer cloned: the next call
+    writes the buffers, and must not change a result already returned."""
+    if type(out) is torch.Tensor:  # the common case, without a pytree walk
+        return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+
+    def own(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in ptrs:
+            return x.clone()
+        return x
+
+    return pytree.tree_map(own, out)
+
+
+def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:
+    return (*shape[:dim], -1, *shape[dim + 1:])
+
+
+def _order(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s dimensions from outermost to innermost (what ``empty_in_layout`` keeps)."""
+    strides = t.stride()
+    return tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))

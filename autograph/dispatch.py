@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import gate, lifecycle, verify
+from . import gate, lifecycle, training, verify
 from . import stats as _stats
 from . import switch as _switch
 from .cache import Entry, GraphCache
@@ -82,6 +82,7 @@ class Engine:
     def _use_options(self, options: Options) -> None:
         self.options = self.cache.options = options
         self.ranks = Ranks(options.group) if options.group is not None else None
+        self.trains = options.backward and self.ranks is None  # graphs under autograd
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did
@@ -104,7 +105,8 @@ class Engine:
                 self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
                 return self.fn(*args, **kwargs)
             watch = self.watch
-            if _grad_enabled() and not watch.stale and watch.requires_grad():
+            if _grad_enabled() and not watch.stale and not self.trains \
+                    and watch.requires_grad():
                 self.stats.count_eager(EagerReason.AUTOGRAD)
                 return self.eager(args, kwargs)
         try:
@@ -176,11 +178,15 @@ class Engine:
             raise Uncapturable(EagerReason.CAPTURING)
         if self.watch.hook_reason:
             raise Uncapturable(EagerReason.HOOKS, self.watch.hook_reason)
-        if grad_enabled(key.modes) and self._autograd_records(flat):
+        if not self.trains and grad_enabled(key.modes) and self._autograd_records(flat):
             raise Uncapturable(EagerReason.AUTOGRAD)
         if self.cache.inplace:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]
+
+    def _for_backward(self, key: GraphKey, flat: Flat) -> bool:
+        """Whether this key is captured for training (``training``, ``backward``)."""
+        return self.trains and grad_enabled(key.modes) and self._autograd_records(flat)
 
     def _autograd_records(self, flat: Flat) -> bool:
         leaves = flat.leaves
@@ -245,8 +251,9 @@ class Engine:
         timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
         self.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
         with _capture_lock, self._range("warmup"):
-            warmed = lifecycle.warm(self.fn, flat, backend, device, self.watch,
-                                    learn=entry.runs == 0, timed=timed)
+            warm = training.warm if self._for_backward(key, flat) else lifecycle.warm
+            warmed = warm(self.fn, flat, backend, device, self.watch,
+                          learn=entry.runs == 0, timed=timed)
         if warmed.problem is not None:  # the call ran; graphs would get it wrong
             entry.give_up(warmed.problem.reason, warmed.problem.detail)
             return warmed.out
@@ -271,10 +278,12 @@ class Engine:
             start = time.perf_counter()
             before = backend.memory_reserved(device)
             inplace = self.cache.inplace.get(key.base(), ())
+            capture = (training.capturer(stats) if self._for_backward(key, flat)
+                       else lifecycle.capture)
             try:
                 with self._range("capture"):
-                    captured = lifecycle.capture(self.fn, flat, backend, device, self.watch,
-                                                 inplace, self.options.outputs == "reuse")
+                    captured = capture(self.fn, flat, backend, device, self.watch,
+                                       inplace, self.options.outputs == "reuse")
             except lifecycle.WritesFound as found:
                 self.cache.rekey(key, entry, flat, found.positions)
                 stats.count_eager(EagerReason.IN_PLACE, warn=False)
@@ -362,7 +371,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self._replay_failed(entry, exc, flat)
         if result is lifecycle.HELD:
-            return self._protect(flat)
+            return self._protect(flat, entry.graph.held_reason)
         stats = self.stats
         stats.replays += 1
         if _stats._observers:
@@ -371,9 +380,13 @@ class Engine:
         self.cache.uses = entry.used = self.cache.uses + 1  # a stamp: races are harmless
         return result
 
-    def _protect(self, flat: Flat) -> Any:
-        """An earlier output of the graph is still held (``outputs="reuse"``): run the
-        call eagerly rather than overwrite it."""
+    def _protect(self, flat: Flat, held: tuple[EagerReason, str] | None = None) -> Any:
+        """An earlier output of the graph is still held (``outputs="reuse"``), or what
+        an earlier call saved for its backward (``held``): run the call eagerly rather
+        than overwrite it."""
+        if held is not None:
+            self.stats.count_eager(*held)
+            return self.eager(*flat.call())
         self.stats.outputs_protected += 1
         self.stats.count_eager(EagerReason.OUTPUTS_HELD, warn=False)
         return self.eager(*flat.call())

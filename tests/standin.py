@@ -115,6 +115,7 @@ class StandinBackend:
         self.captures = 0
         self.fail_next: BaseException | None = None
         self.replay_delay = 0.0  # seconds each replay sleeps (to test min_speedup)
+        self.pools_used: list[Pool] = []  # the pool of each capture, in order
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -132,8 +133,10 @@ class StandinBackend:
     def after_warmup(self, device: torch.device, output: Any) -> None:
         pass
 
-    def capture(self, device: torch.device, fn: Callable[[], T]) -> tuple[RecordedGraph, T]:
+    def capture(self, device: torch.device, fn: Callable[[], T],
+                pool: Pool | None = None) -> tuple[RecordedGraph, T]:
         recorder = _Recorder()
+        self.pools_used.append(pool if pool is not None else self._pool)
         self._local.capturing = True
         try:
             with recorder:
@@ -152,6 +155,9 @@ class StandinBackend:
 
     def pool(self, device: torch.device) -> Pool:
         return self._pool
+
+    def private_pool(self, device: torch.device) -> Pool:
+        return Pool(lock=self._pool.lock)  # one replay lock per device, as on CUDA
 
     def order_replay(self, device: torch.device, pool: Pool) -> None:
         pass

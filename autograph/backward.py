@@ -42,10 +42,8 @@ from torch.utils import _pytree as pytree
 from . import lifecycle
 from .capture import Backend, Pool
 from .guards import Watch
-from .keys import Flat
-from .mutation import storage_ptr
 from .stats import Stats
-from .vocab import EagerReason, Uncapturable, logger
+from .vocab import EagerReason, logger
 
 _HELD = lifecycle.HELD
 

@@ -8,8 +8,9 @@ Exactness: replays launch the kernels eager launches, so results are compared bi
 bit (``EXACT``) where the kernels are deterministic: cuDNN is put in deterministic mode
 with benchmarking off for the whole file, and attention runs on the math backend (the
 memory-efficient kernel's backward accumulates with atomics).  The GRU (cuDNN's RNN
-kernels) is compared within ``RNN_TOL``.  Dropout > 0 draws other numbers than eager (graph-safe RNG), so
-that model is checked for fresh masks and gradients that follow them, not against eager.
+kernels) is compared within ``RNN_TOL``.  Dropout > 0 draws other numbers than eager
+(graph-safe RNG), so that model is checked for fresh masks and gradients that follow
+them, not against eager.
 
 Run: ``python -m pytest -q tests/gpu/test_backward_cuda.py``
 """

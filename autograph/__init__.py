@@ -88,6 +88,7 @@ def graphed(  # type: ignore[overload-overlap]  # a module is callable: it keeps
     group: Any = None,
     verify_every: int | None = None,
     outputs: str = "clone",
+    backward: bool = True,
 ) -> M: ...
 @overload
 def graphed(
@@ -105,6 +106,7 @@ def graphed(
     group: Any = None,
     verify_every: int | None = None,
     outputs: str = "clone",
+    backward: bool = True,
 ) -> Graphed[P, R]: ...
 @overload
 def graphed(
@@ -120,6 +122,7 @@ def graphed(
     group: Any = None,
     verify_every: int | None = None,
     outputs: str = "clone",
+    backward: bool = True,
 ) -> _Decorator: ...
 
 
@@ -138,6 +141,7 @@ def graphed(
     group: Any = None,
     verify_every: int | None = None,
     outputs: str = "clone",
+    backward: bool = True,
 ) -> Any:
     """Run a function, method or module through CUDA graphs, one per input key.
 
@@ -195,10 +199,16 @@ def graphed(
             list or dict); if so, that call runs eagerly instead, so the held tensor is
             never overwritten, counted in ``outputs_protected`` (and as eager,
             ``outputs_held``).  Drop outputs (or copy what you keep) before the next
-            call to replay every time.
+            call to replay every time.  Calls that autograd records always clone.
+        backward: True (default): a call that autograd records (grad mode on and an
+            argument or parameter requiring grad) replays a forward graph, and its
+            backward replays a backward graph captured at the key's first backward;
+            gradients accumulate into ``.grad`` as in eager mode.  A call made while an
+            earlier call of the same graph may still be backpropagated runs eagerly
+            (``backward_pending``).  False: such calls run eagerly (``autograd``).
     """
     options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                      min_speedup, group, verify_every, outputs, pad_writes)
+                      min_speedup, group, verify_every, outputs, pad_writes, backward)
     if obj is None:
         return lambda target: wrap(target, options)
     return wrap(obj, options)
@@ -217,6 +227,7 @@ def capture_region(
     group: Any = None,
     verify_every: int | None = None,
     outputs: str = "clone",
+    backward: bool = True,
 ) -> Region:
     """Graph the module calls made inside a block, without touching the model.
 
@@ -234,7 +245,7 @@ def capture_region(
     Args: the options of :func:`graphed`.
     """
     return Region(Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
-                          min_speedup, group, verify_every, outputs, pad_writes))
+                          min_speedup, group, verify_every, outputs, pad_writes, backward))
 
 
 def save_plan(path: str | os.PathLike[str]) -> None:

@@ -16,7 +16,11 @@ Contract of a backend:
   pool and return ``(graph, output)``.  On any error the capture is ended cleanly and
   the error propagates.  Nothing has run yet when it returns: ``graph.replay()`` runs it.
 * ``memory_reserved(device)``: bytes the allocator holds, to measure graph memory.
-* ``pool(device)``: the :class:`Pool` shared by every graph of the device.
+* ``pool(device)``: the :class:`Pool` shared by every graph of the device;
+  ``private_pool(device)``: a new pool of its own (sharing the device's replay lock),
+  for graphs whose memory must outlive a replay (a training forward's saved
+  activations, read by its backward graph later); ``capture(device, fn, pool)``
+  captures into it.
 * ``order_replay(device, pool)``: make a replay on the current stream wait for the
   previous replay of the pool if that ran on another stream.
 * ``after_warmup(device, output)`` and ``synchronize(device)``: stream bookkeeping
@@ -62,9 +66,11 @@ class Backend(Protocol):
     def is_capturing(self, device: torch.device) -> bool: ...
     def capturing(self, device: torch.device) -> Callable[[], bool]: ...
     def warmup(self, device: torch.device) -> contextlib.AbstractContextManager[None]: ...
-    def capture(self, device: torch.device, fn: Callable[[], T]) -> tuple[Graph, T]: ...
+    def capture(self, device: torch.device, fn: Callable[[], T],
+                pool: Pool | None = None) -> tuple[Graph, T]: ...
     def memory_reserved(self, device: torch.device) -> int: ...
     def pool(self, device: torch.device) -> Pool: ...
+    def private_pool(self, device: torch.device) -> Pool: ...
     def order_replay(self, device: torch.device, pool: Pool) -> None: ...
     def after_warmup(self, device: torch.device, output: Any) -> None: ...
     def synchronize(self, device: torch.device) -> None: ...
@@ -110,6 +116,14 @@ class CudaBackend:
                     pool = self._pools[index] = _new_pool(index, side, gate)
         return pool
 
+    def private_pool(self, device: torch.device) -> Pool:
+        """A new pool for ``device``, apart from the shared one, with its replay lock."""
+        index = _index(device)
+        side = self._stream(index)
+        with self._lock:
+            gate = self._gates.setdefault(index, threading.Lock())
+        return _new_pool(index, side, gate)
+
     @contextlib.contextmanager
     def warmup(self, device: torch.device) -> Iterator[None]:
         index = _index(device)
@@ -131,9 +145,11 @@ class CudaBackend:
             if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
                 leaf.record_stream(caller)
 
-    def capture(self, device: torch.device, fn: Callable[[], T]) -> tuple[Graph, T]:
+    def capture(self, device: torch.device, fn: Callable[[], T],
+                pool: Pool | None = None) -> tuple[Graph, T]:
         index = _index(device)
-        pool = self.pool(device)
+        if pool is None:
+            pool = self.pool(device)
         side = self._stream(index)
         graph = torch.cuda.CUDAGraph()
         gc_was_enabled = gc.isenabled()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from . import gate, lifecycle, verify
+from . import gate, lifecycle, replay, training, verify
 from . import stats as _stats
 from . import switch as _switch
 from .cache import Entry, GraphCache
@@ -39,7 +39,7 @@ record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
 _grad_enabled = torch.is_grad_enabled
 _nesting = lifecycle.nested_block
-_HELD = lifecycle.HELD
+_HELD = replay.HELD
 
 # When a callable stops trying: this many keys given up after failed captures with no
 # replay ever, or this many new keys in a row without a replay (keys that never repeat).
@@ -84,6 +84,7 @@ class Engine:
     def _use_options(self, options: Options) -> None:
         self.options = self.cache.options = options
         self.ranks = Ranks(options.group) if options.group is not None else None
+        self.trains = options.backward and self.ranks is None  # graphs under autograd
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did
@@ -106,7 +107,8 @@ class Engine:
                 self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
                 return self.fn(*args, **kwargs)
             watch = self.watch
-            if _grad_enabled() and not watch.stale and watch.requires_grad():
+            if _grad_enabled() and not watch.stale and not self.trains \
+                    and watch.requires_grad():
                 self.stats.count_eager(EagerReason.AUTOGRAD)
                 return self.eager(args, kwargs)
         try:
@@ -179,11 +181,15 @@ class Engine:
             raise Uncapturable(EagerReason.CAPTURING)
         if watch.hook_reason:
             raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
-        if key.modes[0] and self._autograd_records(flat):  # grad mode: autograd may record
+        if key.modes[0] and not self.trains and self._autograd_records(flat):
             raise Uncapturable(EagerReason.AUTOGRAD)
         if self.cache.inplace:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]
+
+    def _for_backward(self, key: GraphKey, flat: Flat) -> bool:
+        """Whether this key is captured for training (``training``, ``backward``)."""
+        return self.trains and bool(key.modes[0]) and self._autograd_records(flat)
 
     def _autograd_records(self, flat: Flat) -> bool:
         leaves = flat.leaves
@@ -248,8 +254,9 @@ class Engine:
         timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
         self.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
         with _capture_lock, self._range("warmup"):
-            warmed = lifecycle.warm(self.fn, flat, backend, device, self.watch,
-                                    learn=entry.runs == 0, timed=timed)
+            warm = training.warm if self._for_backward(key, flat) else lifecycle.warm
+            warmed = warm(self.fn, flat, backend, device, self.watch,
+                          learn=entry.runs == 0, timed=timed)
         if warmed.problem is not None:  # the call ran; graphs would get it wrong
             entry.give_up(warmed.problem.reason, warmed.problem.detail)
             return warmed.out
@@ -274,10 +281,12 @@ class Engine:
             start = time.perf_counter()
             before = backend.memory_reserved(device)
             inplace = self.cache.inplace.get(key.base(), ())
+            capture = (training.capturer(stats) if self._for_backward(key, flat)
+                       else lifecycle.capture)
             try:
                 with self._range("capture"):
-                    captured = lifecycle.capture(self.fn, flat, backend, device, self.watch,
-                                                 inplace, self.options.outputs == "reuse")
+                    captured = capture(self.fn, flat, backend, device, self.watch,
+                                       inplace, self.options.outputs == "reuse")
             except lifecycle.WritesFound as found:
                 self.cache.rekey(key, entry, flat, found.positions)
                 stats.count_eager(EagerReason.IN_PLACE, warn=False)
@@ -304,7 +313,7 @@ class Engine:
             nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
             return self._keep(key, entry, captured, result, nbytes, time.perf_counter() - start)
 
-    def _keep(self, key: GraphKey, entry: Entry, captured: lifecycle.Captured, result: Any,
+    def _keep(self, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,
               nbytes: int, seconds: float) -> Any:
         stats = self.stats
         budget = self.options.max_graph_memory
@@ -365,7 +374,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self._replay_failed(entry, exc, flat)
         if result is _HELD:
-            return self._protect(flat)
+            return self._protect(flat, entry.graph.held_reason)
         self.stats.replays += 1
         if _stats._observers:
             self.stats.notify("replay")
@@ -374,9 +383,13 @@ class Engine:
         cache.uses = entry.used = cache.uses + 1  # a stamp: races are harmless
         return result
 
-    def _protect(self, flat: Flat) -> Any:
-        """An earlier output of the graph is still held (``outputs="reuse"``): run the
-        call eagerly rather than overwrite it."""
+    def _protect(self, flat: Flat, held: tuple[EagerReason, str] | None = None) -> Any:
+        """An earlier output of the graph is still held (``outputs="reuse"``), or what
+        an earlier call saved for its backward (``held``): run the call eagerly rather
+        than overwrite it."""
+        if held is not None:
+            self.stats.count_eager(*held)
+            return self.eager(*flat.call())
         self.stats.outputs_protected += 1
         self.stats.count_eager(EagerReason.OUTPUTS_HELD, warn=False)
         return self.eager(*flat.call())

@@ -31,7 +31,6 @@ from .capture import Backend
 from .flat import Flat
 from .guards import Watch, running
 from .mutation import WriteRecorder, storage_ptr, watch_map
-from .replay import HELD as HELD  # dispatch.py reads lifecycle.HELD
 from .replay import Captured, use_count
 from .vocab import EagerReason, Uncapturable
 

@@ -25,6 +25,8 @@ _COUNTERS = (
     ("verify_failures", "verify_failures", "Checked replays that differed from eager"),
     ("outputs_protected", "outputs_protected",
      "Calls run eagerly because an earlier reused output was still held"),
+    ("backward_replays", "backward_replays", "Backwards served by replaying a backward graph"),
+    ("backward_captures", "backward_captures", "Backward graphs captured"),
 )
 _GAUGES = (
     ("graphs", "graphs", "Live graphs"),

@@ -47,6 +47,9 @@ class Options:
         ``"reuse"``: the call returns the graph's own output tensors, and a call made
         while an earlier output (or a view of it) is still held runs eagerly instead
         of overwriting it (see ``Captured.runner``).
+    backward: a call that autograd records (grad mode on and an argument or parameter
+        requiring grad) is captured as a forward graph and a backward graph (see
+        ``backward``); False: such calls run eagerly (reason ``autograd``).
     """
 
     warmup: int = 2
@@ -60,6 +63,7 @@ class Options:
     verify_every: int | None = None
     outputs: str = "clone"
     pad_writes: Mapping[str | int, tuple[int, Any]] | None = field(default_factory=dict)
+    backward: bool = True
 
     def __post_init__(self) -> None:
         _int_at_least("warmup", self.warmup, 0)
@@ -96,6 +100,8 @@ class Options:
         if self.outputs not in OUTPUT_MODES:
             raise ValueError(f"autograph: outputs must be 'clone' or 'reuse', "
                              f"got {self.outputs!r}")
+        if not isinstance(self.backward, bool):
+            raise ValueError(f"autograph: backward must be True or False, got {self.backward!r}")
         if self.verify_every is not None:
             _int_at_least("verify_every", self.verify_every, 1)
         if self.group is not None:

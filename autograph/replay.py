@@ -27,6 +27,7 @@ class Captured:
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
                  "state_written", "inplace", "reuse", "_holders")
+    held_reason: Any = None  # why the runner returned HELD, when not outputs="reuse"
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,

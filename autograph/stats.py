@@ -51,6 +51,9 @@ class Stats:
         "verifications",
         "verify_failures",
         "outputs_protected",
+        "backward_replays",
+        "backward_eager",
+        "backward_captures",
         "buckets",
         "bucket_misses",
         "padding",
@@ -69,6 +72,9 @@ class Stats:
         self.verifications = 0
         self.verify_failures = 0
         self.outputs_protected = 0  # calls run eagerly to keep a held output intact
+        self.backward_replays = 0  # backwards of training graphs served by a replay
+        self.backward_eager = 0  # ... by the captured forward's autograd graph, eagerly
+        self.backward_captures = 0  # backward graphs captured
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs = 0
@@ -134,6 +140,9 @@ class Stats:
             "verifications": self.verifications,
             "verify_failures": self.verify_failures,
             "outputs_protected": self.outputs_protected,
+            "backward_replays": self.backward_replays,
+            "backward_eager": self.backward_eager,
+            "backward_captures": self.backward_captures,
             "graphs": self.graphs,
             "graph_memory_bytes": self.graph_bytes,
             "capture_seconds": self.capture_seconds,

@@ -60,6 +60,8 @@ class EagerReason(enum.Enum):
     VERIFY_FAILED = "verify_failed"
     GIVEN_UP = "given_up"
     OUTPUTS_HELD = "outputs_held"
+    BACKWARD_UNSUPPORTED = "backward_unsupported"
+    BACKWARD_PENDING = "backward_pending"
 
     @property
     def message(self) -> str:
@@ -81,7 +83,8 @@ _MESSAGES = {
     EagerReason.SEVERAL_DEVICES: "tensor arguments on several devices",
     EagerReason.UNKEYABLE: "an argument cannot be keyed",
     EagerReason.HOOKS: "module hooks would not replay",
-    EagerReason.AUTOGRAD: "autograd would record this call (use torch.no_grad())",
+    EagerReason.AUTOGRAD: "autograd would record this call and it is not graphed for "
+                          "training (backward=False, or group=; use torch.no_grad())",
     EagerReason.ASSIGNS: "the forward assigns a module attribute",
     EagerReason.HOST_RANDOM: "the forward draws host random numbers to decide what to run",
     EagerReason.OUTPUT: "an output cannot be handed back safely",
@@ -97,6 +100,10 @@ _MESSAGES = {
                           "autograph.reset()",
     EagerReason.OUTPUTS_HELD: "an earlier call's output is still held (outputs='reuse'): "
                               "running eagerly so that it is not overwritten",
+    EagerReason.BACKWARD_UNSUPPORTED: "autograd records this call in a way a backward "
+                                      "graph cannot replay",
+    EagerReason.BACKWARD_PENDING: "an earlier call's backward has not run yet: a replay "
+                                  "would overwrite what it saved",
 }
 
 # Reasons that are steps on the way to a graph, not problems: never logged as warnings.

@@ -37,6 +37,9 @@ HOST_SYNCS = {
 }
 
 
+_INPLACE_VIEW = getattr(torch.Tag, "inplace_view", None)
+
+
 class CaptureError(RuntimeError):
     pass
 
@@ -51,6 +54,14 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in HOST_SYNCS:
             raise CaptureError(f"{func} is not permitted while the stream is capturing")
+        if _INPLACE_VIEW is not None and _INPLACE_VIEW in func.tags:
+            # a metadata change (``transpose_``): no kernel; the replay puts back the
+            # metadata it left, so later operators see the tensor as they saw it here
+            out = func(*args, **kwargs)
+            t = args[0]
+            self.ops.append((_Restride(t.size(), t.stride(), t.storage_offset()), (t,), {},
+                             None))
+            return out
         written = _written_args(func, args, kwargs)
         if written:
             # a capture executes nothing: run the write on scratch copies
@@ -71,6 +82,16 @@ class _Recorder(TorchDispatchMode):
             if isinstance(o, torch.Tensor):
                 self.nbytes += o.numel() * o.element_size()
         return out
+
+
+class _Restride:
+    """Replays a metadata change: the tensor takes the geometry it had after it."""
+
+    def __init__(self, size: Any, stride: Any, offset: int) -> None:
+        self.geometry = (size, stride, offset)
+
+    def __call__(self, t: torch.Tensor) -> None:
+        t.as_strided_(*self.geometry)
 
 
 def _written_args(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -115,6 +136,7 @@ class StandinBackend:
         self.captures = 0
         self.fail_next: BaseException | None = None
         self.replay_delay = 0.0  # seconds each replay sleeps (to test min_speedup)
+        self.pools_used: list[Pool] = []  # the pool of each capture, in order
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -132,8 +154,10 @@ class StandinBackend:
     def after_warmup(self, device: torch.device, output: Any) -> None:
         pass
 
-    def capture(self, device: torch.device, fn: Callable[[], T]) -> tuple[RecordedGraph, T]:
+    def capture(self, device: torch.device, fn: Callable[[], T],
+                pool: Pool | None = None) -> tuple[RecordedGraph, T]:
         recorder = _Recorder()
+        self.pools_used.append(pool if pool is not None else self._pool)
         self._local.capturing = True
         try:
             with recorder:
@@ -152,6 +176,9 @@ class StandinBackend:
 
     def pool(self, device: torch.device) -> Pool:
         return self._pool
+
+    def private_pool(self, device: torch.device) -> Pool:
+        return Pool(lock=self._pool.lock)  # one replay lock per device, as on CUDA
 
     def order_replay(self, device: torch.device, pool: Pool) -> None:
         pass

@@ -176,7 +176,7 @@ def test_global_module_rebinding_is_tracked():
 
 def test_autograd_recording_runs_eagerly_with_eager_gradients():
     m = Scaled()
-    g = autograph.graphed(m)
+    g = autograph.graphed(m, backward=False)  # graphed for training: tests/test_backward.py
     x = torch.randn(2, 4)
     for _ in range(4):
         g(x).sum().backward()
@@ -202,7 +202,7 @@ def test_grad_mode_without_anything_requiring_grad_is_graphed():
 
 
 def test_input_requiring_grad_runs_eagerly():
-    @autograph.graphed(warmup=0)
+    @autograph.graphed(warmup=0, backward=False)
     def f(x):
         return (x * 2).sum()
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("standin")
 
 def test_warmup_capture_replay_and_eager_are_named_in_profiler_traces():
     m = nn.Linear(4, 4)
-    g = autograph.graphed(m)
+    g = autograph.graphed(m, backward=False)
     with torch.no_grad(), torch.profiler.profile(activities=[
             torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(4):
@@ -41,7 +41,7 @@ def test_no_ranges_without_a_profiler(monkeypatch):
 
 
 def test_logging_one_debug_line_per_capture_one_warning_per_reason(caplog):
-    g = autograph.graphed(nn.Linear(4, 4))
+    g = autograph.graphed(nn.Linear(4, 4), backward=False)
     caplog.set_level(logging.DEBUG, logger="autograph")
     with torch.no_grad():
         for _ in range(6):

@@ -1,0 +1,194 @@
+"""Warming up and capturing a key that autograd records (see ``backward``).
+
+:func:`warm` is ``lifecycle.warm`` that accepts outputs requiring grad and also learns
+what a backward graph would get wrong: hooks registered on tensors by the forward, and
+module backward hooks (their Python side effects would run once, at capture).
+:func:`capture` records the forward with grad enabled into a pool of its own and
+returns a :class:`backward.Trained` graph; a call whose gradients a graph cannot give
+exactly as eager does (an argument written in place, an output that requires grad
+and is a view of an argument or parameter, a tensor that requires grad read from
+outside the arguments and parameters) raises :class:`Uncapturable`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import lifecycle, replay
+from .backward import Trained, _OnPool
+from .capture import Backend
+from .flat import Flat
+from .guards import Watch
+from .mutation import storage_ptr
+from .stats import Stats
+from .vocab import EagerReason, Uncapturable
+
+UNSUPPORTED = EagerReason.BACKWARD_UNSUPPORTED
+
+
+def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
+         watch: Watch, *, learn: bool, timed: bool) -> lifecycle.Warmed:
+    """``lifecycle.warm`` for a call that autograd records."""
+    hooks: list[str] = []
+    call = _spying(fn, hooks) if learn else fn
+    warmed = lifecycle.warm(call, flat, backend, device, watch, learn=learn, timed=timed)
+    problem = warmed.problem
+    if problem is not None and problem.reason is EagerReason.AUTOGRAD:
+        problem = None  # outputs that require grad: what a training graph is for
+        try:
+            lifecycle._check_objects(flat)  # the check that warm stopped before
+        except Uncapturable as exc:
+            problem = exc
+    if problem is None:
+        why = hooks[0] if hooks else backward_hooks(watch)
+        if why:
+            problem = Uncapturable(UNSUPPORTED, why)
+    warmed.problem = problem
+    return warmed
+
+
+def _spying(fn: Callable[..., Any], found: list[str]) -> Callable[..., Any]:
+    """``fn``, noting whether it registers a hook on a tensor (``Tensor.register_hook``
+    is replaced for the duration of the call)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        original = torch.Tensor.register_hook
+
+        def register_hook(self: torch.Tensor, hook: Any) -> Any:
+            found.append("the forward registers a hook on a tensor")
+            return original(self, hook)
+
+        torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.register_hook = original  # type: ignore[method-assign]
+
+    return call
+
+
+def backward_hooks(watch: Watch) -> str | None:
+    """Why module backward hooks forbid a backward graph, or None."""
+    from torch.nn.modules import module as mm
+
+    for name in ("_global_backward_hooks", "_global_backward_pre_hooks"):
+        if getattr(mm, name, None):
+            return "global module backward hooks are registered"
+    for root in watch.modules():
+        for m in root.modules():
+            if m._backward_hooks or m._backward_pre_hooks:
+                return f"{type(m).__name__} has backward hooks"
+    return None
+
+
+def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
+            watch: Watch, inplace: tuple[int, ...], stats: Stats | None = None) -> Trained:
+    """Capture the forward of a call that autograd records (see ``backward``)."""
+    if inplace:
+        raise Uncapturable(UNSUPPORTED, "the call writes an argument in place")
+    why = backward_hooks(watch)
+    if why:
+        raise Uncapturable(UNSUPPORTED, why)
+    leaves = flat.leaves
+    wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
+    state = {storage_ptr(t): t for t in watch.tensors() if t.requires_grad and t.numel()}
+    saved: dict[int, torch.Tensor] = {}
+    seen: dict[str, Any] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if state:
+            s = state.get(_storage_key(t))
+            if s is not None:
+                saved.setdefault(id(s), s)
+        return t.detach()  # no version check at unpack: replays rewrite saved tensors
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        static = list(args) + list(kwargs.values()) if flat.spec is None else \
+            pytree.tree_leaves((args, kwargs))
+        for i in wants:
+            static[i].requires_grad_(True)
+        seen["targets"] = [static[i] for i in wants]
+        seen["start"] = _sequence_now()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            out = seen["out"] = fn(*args, **kwargs)
+        return out
+
+    on_pool = _OnPool(backend, backend.private_pool(device))
+    base = lifecycle.capture(forward, flat, on_pool, device, watch, ())  # type: ignore[arg-type]
+    out = seen["out"]
+    _check_outputs(out, base, leaves, watch)
+    trained = Trained(base, on_pool, watch, stats, out, list(saved.values()))
+    problem = _foreign(trained.static_diff, trained.targets, seen["start"])
+    if problem:
+        raise Uncapturable(UNSUPPORTED, problem)
+    return trained
+
+
+def capturer(stats: Stats) -> Callable[..., Trained]:
+    """:func:`capture` with the callable's counters, in ``lifecycle.capture``'s form."""
+    def capture_for(fn: Callable[..., Any], flat: Flat, backend: Backend,
+                    device: torch.device, watch: Watch, inplace: tuple[int, ...],
+                    reuse: bool = False) -> Trained:
+        return capture(fn, flat, backend, device, watch, inplace, stats)
+
+    return capture_for
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return storage_ptr(t)
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _sequence_now() -> int:
+    """The sequence number of an autograd node made now (on this thread): the nodes a
+    capture makes come after it."""
+    probe = torch.zeros((), requires_grad=True) * 1
+    return int(probe.grad_fn._sequence_nr())  # type: ignore[union-attr]
+
+
+def _check_outputs(out: Any, base: replay.Captured, leaves: Any, watch: Watch) -> None:
+    """An output that requires grad must live in the pool (it is cloned and connected
+    to autograd per call), or be a parameter or argument itself (returned as it is)."""
+    pooled = {id(t) for t in getattr(base.build, "pool_outputs", ())}
+    own = {id(t) for t in watch.tensors()} | {id(b) for b in base.static.buffers}
+    own.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in pooled \
+                and id(t) not in own:
+            raise Uncapturable(UNSUPPORTED, "an output that requires grad is a view of "
+                               "an argument or parameter")
+
+
+def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) -> str | None:
+    """Why the captured autograd graph reaches beyond the call (a tensor that requires
+    grad and is no argument or parameter, or one computed with autograd before the
+    call): gradients would not reach it.  None if it does not."""
+    allowed = {id(t) for t in targets}
+    stack = [t.grad_fn for t in outs]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if var is not None:  # AccumulateGrad: a leaf
+            if id(var) not in allowed:
+                return "the forward reads a tensor that requires grad and is no argument, " \
+                       "parameter or buffer"
+            continue
+        if node._sequence_nr() < start:
+            return "the forward reads a tensor computed with autograd before the call"
+        stack.extend(n for n, _ in node.next_functions)
+    return None

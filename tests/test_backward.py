@@ -1,0 +1,385 @@
+"""Training graphs (issue 17): calls that autograd records replay a forward graph and
+their backward replays a backward graph, with gradients equal to eager's bit for bit.
+
+On the CPU stand-in, a replay re-runs the recorded operators on the very tensors
+recorded (saved activations included), so a gradient computed from stale or
+overwritten saved state differs from eager's and fails these tests.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+pytestmark = pytest.mark.usefixtures("standin")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 4, 3, stride=2), nn.Flatten(), nn.Linear(4 * 3 * 3, 5))
+
+
+def train(model, batches, *, steps=3, micro=2, set_to_none=True, opt=torch.optim.AdamW,
+          clip=None):
+    """``steps`` optimizer steps, each accumulating ``micro`` micro-batches; returns
+    the losses and the gradients of each step."""
+    optimizer = opt(model.parameters(), lr=1e-2)
+    losses, grads = [], []
+    it = iter(batches)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=set_to_none)
+        for _ in range(micro):
+            x, y = next(it)
+            loss = nn.functional.cross_entropy(model(x), y) / micro
+            loss.backward()
+            losses.append(loss.detach())
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+    return losses, grads
+
+
+def batches(shape, classes, n=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(*shape, generator=g), torch.randint(0, classes, (shape[0],),
+                                                             generator=g)) for _ in range(n)]
+
+
+def assert_same_training(make, data, **kw):
+    """Train eagerly and through autograph from the same state: losses, gradients,
+    parameters and buffers equal bit for bit.  Returns the graphed model's stats."""
+    eager = make()
+    graphed_model = copy.deepcopy(eager)
+    g = autograph.graphed(graphed_model, warmup=1)
+    want = train(eager, data, **kw)
+    got = train(g, data, **kw)
+    for a, b in zip(want[0], got[0]):
+        assert torch.equal(a, b)
+    for step_a, step_b in zip(want[1], got[1]):
+        for a, b in zip(step_a, step_b):
+            assert torch.equal(a, b)
+    for a, b in zip(eager.state_dict().values(), graphed_model.state_dict().values()):
+        assert torch.equal(a, b)
+    return autograph.stats(g)
+
+
+def assert_graphed(s, calls):
+    assert s["calls"] == calls and s["captures"] == 1 and s["eager"] == 1  # one warmup
+    assert s["replays"] == calls - 2  # the capture's call replays too, counted apart
+    assert s["backward_captures"] == 1 and s["backward_eager"] == 1
+    assert s["backward_replays"] == calls - 2  # every backward after the first
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_mlp_three_steps_two_micro_batches_equal_eager(set_to_none, standin):
+    s = assert_same_training(mlp, batches((6, 8), 4), set_to_none=set_to_none)
+    assert_graphed(s, 6)
+    assert standin.pools_used[-1] is not standin.pool(torch.device("cpu"))  # its own pool
+
+
+def test_sgd_momentum_and_clipping_equal_eager():
+    s = assert_same_training(mlp, batches((6, 8), 4), opt=torch.optim.SGD, clip=0.5)
+    assert_graphed(s, 6)
+
+
+def test_batchnorm_running_stats_and_gradients_equal_eager():
+    s = assert_same_training(cnn, batches((4, 3, 8, 8), 5))
+    assert_graphed(s, 6)
+
+
+def test_transformer_layer_without_dropout_equals_eager():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0,
+                                                        batch_first=True),
+                             nn.Flatten(), nn.Linear(16 * 5, 3))
+
+    s = assert_same_training(make, batches((4, 5, 16), 3))
+    assert_graphed(s, 6)
+
+
+def test_gru_equals_eager():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.gru = nn.GRU(6, 12, batch_first=True)
+            self.head = nn.Linear(12, 3)
+
+        def forward(self, x):
+            return self.head(self.gru(x)[0][:, -1])
+
+    s = assert_same_training(Net, batches((4, 7, 6), 3))
+    assert s["replays"] + s["eager"] + s["captures"] == 6  # graphed, or eager and right
+
+
+def test_retain_graph_backward_twice_accumulates_as_eager():
+    m = mlp()
+    g = autograph.graphed(copy.deepcopy(m), warmup=0)
+    for model in (m, g):
+        for _ in range(3):
+            out = model(torch.ones(2, 8)).sum()
+            out.backward(retain_graph=True)
+            out.backward()
+    for a, b in zip(m.parameters(), g.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    s = autograph.stats(g)
+    assert s["replays"] == 2 and s["backward_replays"] == 4
+
+
+def test_inputs_requiring_grad_and_an_argument_passed_twice():
+    lin = mlp()[0]
+
+    def f(x, y, scale):
+        return (lin(x) * lin(y)).tanh() * scale
+
+    g = autograph.graphed(f, warmup=1)
+    for _ in range(4):
+        x = torch.randn(3, 8, requires_grad=True)
+        w = torch.randn(3, 8, requires_grad=True)
+        want = [t.detach().clone().requires_grad_() for t in (x, w)]
+        lin.zero_grad()
+        f(want[0], want[0], 2.0).sum().backward()
+        f(want[1], torch.ones(3, 8), 2.0).sum().backward()
+        want_w = lin.weight.grad.clone()
+        lin.zero_grad()
+        g(x, x, 2.0).sum().backward()
+        g(w, torch.ones(3, 8), 2.0).sum().backward()
+        assert torch.equal(x.grad, want[0].grad) and torch.equal(w.grad, want[1].grad)
+        assert torch.equal(lin.weight.grad, want_w)
+    s = autograph.stats(g)
+    assert s["captures"] == 2 and s["replays"] == 4 and s["backward_replays"] == 4
+
+
+def test_a_second_forward_before_the_first_backward_runs_eagerly():
+    m = mlp()
+    g = autograph.graphed(copy.deepcopy(m), warmup=0)
+    x1, x2, x3 = (torch.randn(2, 8) for _ in range(3))
+    g(x1).sum().backward()  # the capture, and the first backward
+    for model in (m, g):
+        a = model(x1)
+        b = model(x2)  # graphed: a's saved activations would be overwritten: eager
+        c = model(x3)  # a is still waiting: eager too
+        b.sum().backward()
+        a.sum().backward()
+        c.sum().backward()
+    g.zero_grad()
+    m.zero_grad()
+    for model in (m, g):
+        a, b = model(x1), model(x2)
+        (a.sum() * b.sum()).backward()
+    for p, q in zip(m.parameters(), g.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    s = autograph.stats(g)
+    assert s["eager_reasons"] == {"backward_pending": 3}
+    assert s["replays"] == 2
+
+
+def test_outputs_never_backpropagated_capture_no_backward():
+    m = mlp()
+    g = autograph.graphed(m, warmup=1)
+    for _ in range(5):
+        assert g(torch.randn(2, 8)).requires_grad  # dropped at once: every call replays
+    s = autograph.stats(g)
+    assert s["replays"] == 3 and s["backward_captures"] == 0 and s["backward_eager"] == 0
+    kept = g(torch.randn(2, 8))
+    g(torch.randn(2, 8))  # kept may still be backpropagated: this call runs eagerly
+    assert kept.requires_grad
+    assert autograph.stats(g)["eager_reasons"] == {"warmup": 1, "backward_pending": 1}
+
+
+def test_dropout_draws_fresh_masks_and_gradients_follow_them():
+    drop = nn.Dropout(0.5)
+    g = autograph.graphed(drop, warmup=0)
+    x = torch.ones(64, requires_grad=True)
+    outs = []
+    for _ in range(4):
+        x.grad = None
+        y = g(x)
+        y.sum().backward()
+        assert torch.equal(x.grad, (y != 0).float() * 2.0)  # the mask of this call
+        outs.append(y.detach())
+    assert not torch.equal(outs[2], outs[3])
+    assert autograph.stats(g)["backward_replays"] == 3
+
+
+def test_double_backward_raises():
+    g = autograph.graphed(nn.Linear(3, 1), warmup=0)
+    x = torch.randn(2, 3, requires_grad=True)
+    (gx,) = torch.autograd.grad(g(x).tanh().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+
+
+def test_parameter_changed_between_forward_and_backward_raises_as_eager():
+    m = nn.Linear(3, 3)
+    g = autograph.graphed(copy.deepcopy(m), warmup=0)
+    for model in (m, g):
+        model(torch.randn(2, 3, requires_grad=True)).sum().backward()
+        out = model(torch.randn(2, 3, requires_grad=True)).sum()  # saves the weight
+        with torch.no_grad():
+            model.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
+def test_freezing_a_parameter_captures_again():
+    m = mlp()
+    g = autograph.graphed(copy.deepcopy(m), warmup=0)
+    x = torch.randn(2, 8)
+    for model in (m, g):
+        model(x).sum().backward()
+        model[0].weight.requires_grad_(False)
+        for _ in range(3):
+            model(x).sum().backward()
+        model[0].weight.requires_grad_(True)
+        model(x).sum().backward()
+    for p, q in zip(m.parameters(), g.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert autograph.stats(g)["captures"] >= 2
+
+
+def tensor_hook(x):
+    h = x * 2
+    h.register_hook(lambda grad: grad * 3)
+    return h.sum()
+
+
+class BackwardHooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.register_full_backward_hook(lambda *a: None)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+OUTSIDE = torch.randn(4, requires_grad=True)
+
+
+def reads_outside(x):
+    return (x * OUTSIDE).sum()
+
+
+def writes_argument(x, cache):
+    cache.add_(1)
+    return (x * cache).sum()
+
+
+def returns_argument_view(x):
+    return x[0], x * 2
+
+
+@pytest.mark.parametrize("fn,detail", [
+    (tensor_hook, "registers a hook on a tensor"),
+    (reads_outside, "reads a tensor that requires grad"),
+    (writes_argument, "writes an argument in place"),
+    (returns_argument_view, "a view of an argument"),
+    (BackwardHooked, "has backward hooks"),
+])
+def test_unsupported_calls_run_eagerly_with_a_reason(fn, detail):
+    target = fn() if isinstance(fn, type) else fn
+    g = autograph.graphed(target, warmup=1)
+    extra = (torch.zeros(4),) if fn is writes_argument else ()
+    for _ in range(4):
+        x = torch.randn(4, requires_grad=True)
+        out = g(x, *extra)
+        loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
+        loss.backward()
+        assert x.grad is not None
+    s = autograph.stats(g)
+    assert s["replays"] == 0
+    assert "backward_unsupported" in s["eager_reasons"]
+    assert any(detail in d for d in s["eager_details"]["backward_unsupported"])
+
+
+def test_tensor_hook_gradients_are_eager():
+    g = autograph.graphed(tensor_hook, warmup=0)
+    for _ in range(3):
+        x = torch.randn(4, requires_grad=True)
+        g(x).backward()
+        assert torch.equal(x.grad, torch.full((4,), 6.0))
+
+
+def test_backward_false_keeps_autograd_calls_eager():
+    m = mlp()
+    g = autograph.graphed(m, backward=False)
+    for _ in range(4):
+        g(torch.randn(2, 8)).sum().backward()
+    s = autograph.stats(g)
+    assert s["captures"] == 0 and s["eager_reasons"] == {"autograd": 4}
+    with pytest.raises(ValueError, match="backward"):
+        autograph.graphed(m, backward="yes")
+
+
+def test_capture_region_backward_option():
+    m = mlp()
+    for backward, reason in ((False, "autograd"), (True, None)):
+        fresh = copy.deepcopy(m)
+        with autograph.capture_region(backward=backward, warmup=0) as region:
+            for _ in range(3):
+                fresh(torch.randn(2, 8)).sum().backward()
+        s = autograph.stats(fresh)
+        assert (s["replays"] == 2) is backward, region.stats()
+        if reason:
+            assert s["eager_reasons"] == {reason: 3}
+
+
+def test_inference_and_training_keys_side_by_side():
+    m = mlp()
+    g = autograph.graphed(copy.deepcopy(m), warmup=0)
+    x = torch.randn(2, 8)
+    for _ in range(3):
+        with torch.no_grad():
+            torch.testing.assert_close(g(x), m(x), rtol=0, atol=0)
+        g(x).sum().backward()
+        m(x).sum().backward()
+    for p, q in zip(m.parameters(), g.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    s = autograph.stats(g)
+    assert s["captures"] == 2 and s["replays"] == 4 and s["graphs"] == 2
+
+
+def test_evicted_graph_still_backpropagates():
+    m = mlp()
+    g = autograph.graphed(copy.deepcopy(m), warmup=0, max_graphs=1)
+    a = g(torch.ones(2, 8))
+    g(torch.ones(3, 8)).sum().backward()  # another key: the first graph is evicted
+    a.sum().backward()
+    m(torch.ones(2, 8)).sum().backward()
+    m(torch.ones(3, 8)).sum().backward()
+    for p, q in zip(m.parameters(), g.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert autograph.stats(g)["evictions"] >= 1
+
+
+def test_non_differentiable_outputs_and_verify_every():
+    m = mlp()
+    m2 = copy.deepcopy(m)
+
+    def both(model, x):
+        y = model(x)
+        return y, y.argmax(-1)
+
+    h = autograph.graphed(lambda x: both(m2, x), warmup=0, verify_every=2)
+    for _ in range(4):
+        y, idx = h(torch.ones(2, 8))
+        assert not idx.requires_grad and y.requires_grad
+        y.sum().backward()
+        want, _ = both(m, torch.ones(2, 8))
+        want.sum().backward()
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    s = autograph.stats(h)
+    assert s["verifications"] >= 1 and s["verify_failures"] == 0

@@ -188,9 +188,8 @@ class Trained(replay.Captured):
 
     def _capture_backward(self) -> None:
         """Capture the backward graph (at the call after the first backward)."""
-        from .dispatch import _capture_lock
 
-        with _capture_lock:
+        with lifecycle.CAPTURE_LOCK:
             if not self.want_backward:
                 return
             self.want_backward = False

@@ -2,22 +2,20 @@
 
 A call is keyed (``keys.key_call``); its entry (``cache``) says what to do: replay a
 ready graph, warm up a new key, capture it (``lifecycle``), or run eagerly for the
-entry's reason.  With ``group``, the ranks agree on that action first (``ranks``).
+entry's reason (warming up and capturing are in ``recording``).  With ``group``, the
+ranks agree on that action first (``ranks``).
 The replay path is short on purpose: kill switch, key, entry, bound replay.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from . import gate, lifecycle, replay, training, verify
+from . import lifecycle, recording, replay, verify
 from . import stats as _stats
 from . import switch as _switch
 from .cache import Entry, GraphCache
@@ -41,14 +39,10 @@ _grad_enabled = torch.is_grad_enabled
 _nesting = lifecycle.nested_block
 _HELD = replay.HELD
 
-# When a callable stops trying: this many keys given up after failed captures with no
-# replay ever, or this many new keys in a row without a replay (keys that never repeat).
-GIVE_UP_FAILURES = 3
+# When a callable stops trying: this many new keys in a row without a replay (keys that
+# never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.
 GIVE_UP_FRESH_KEYS = 64
 
-# Warmups and captures are serialized process-wide: capture must not interleave with
-# another capture into the same pool, and it keeps warmup and capture on one stream.
-_capture_lock = threading.RLock()
 
 
 class Engine:
@@ -88,7 +82,7 @@ class Engine:
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did
-        self._failures = 0  # keys given up after a failed capture
+        self.failures = 0  # keys given up after a failed capture
         self._fresh = 0  # new keys since the last replay
 
     # -- the call ----------------------------------------------------------------------
@@ -123,7 +117,7 @@ class Engine:
             entry = self._new_entry(key)
         run = entry.run
         if run is not None and self.ranks is None:
-            return self._replay(entry, run, flat)
+            return self.replay_entry(entry, run, flat)
         # an object argument (objects.py) is learned by one warmup run even under
         # warmup=0: a capture runs the Python once, and its changes must be known first
         action = (Action.REPLAY if run is not None
@@ -134,18 +128,18 @@ class Engine:
             agreed = Action(self.ranks.agree(action, key.digest(), self.stats.name))
             if agreed is not action:
                 return self._follow(agreed, key, entry, flat, backend, device)
-        return self._act(action, key, entry, flat, backend, device)
+        return self.act(action, key, entry, flat, backend, device)
 
-    def _act(self, action: Action, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
+    def act(self, action: Action, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
              device: torch.device) -> Any:
         if action is Action.REPLAY:
-            return self._replay(entry, entry.run, flat)  # type: ignore[arg-type]
+            return self.replay_entry(entry, entry.run, flat)  # type: ignore[arg-type]
         if action is Action.EAGER:
             self.stats.count_eager(entry.reason or EagerReason.CAPTURE_FAILED, entry.detail)
             return self.eager(*flat.call())
         if action is Action.WARM:
-            return self._warm(key, entry, flat, backend, device)
-        return self._capture(key, entry, flat, backend, device)
+            return recording.warm(self, key, entry, flat, backend, device)
+        return recording.capture(self, key, entry, flat, backend, device)
 
     def _follow(self, agreed: Action, key: GraphKey, entry: Entry, flat: Flat,
                 backend: Backend, device: torch.device) -> Any:
@@ -156,7 +150,7 @@ class Engine:
                 if entry.state is State.READY:
                     self.cache.forget_graph(entry)
         if agreed in (Action.WARM, Action.CAPTURE):
-            return self._act(agreed, key, entry, flat, backend, device)
+            return self.act(agreed, key, entry, flat, backend, device)
         ranks = self.ranks
         if ranks is not None and ranks.closed:
             self.stats.count_eager(EagerReason.RANKS_BEHIND, "its process group was destroyed")
@@ -187,7 +181,7 @@ class Engine:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]
 
-    def _for_backward(self, key: GraphKey, flat: Flat) -> bool:
+    def for_backward(self, key: GraphKey, flat: Flat) -> bool:
         """Whether this key is captured for training (``training``, ``backward``)."""
         return self.trains and bool(key.modes[0]) and self._autograd_records(flat)
 
@@ -200,10 +194,10 @@ class Engine:
     def _new_entry(self, key: GraphKey) -> Entry:
         self._fresh += 1
         if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
-            self._give_up_all(f"{self._fresh} new keys in a row without a replay")
+            self.give_up_all(f"{self._fresh} new keys in a row without a replay")
         return self.cache.entry(key)
 
-    def _give_up_all(self, why: str) -> None:
+    def give_up_all(self, why: str) -> None:
         """Stop warming up and capturing: every later call runs eagerly at once."""
         self.given_up = why
         logger.warning("%s: %s; graphs do not pay here, so it runs eagerly from now on "
@@ -229,7 +223,7 @@ class Engine:
 
     def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The original call, uncounted (under the watch, in a profiler range)."""
-        with running(self.watch), self._range("eager"):
+        with running(self.watch), self.profiler_range("eager"):
             return self.fn(*args, **kwargs)
 
     def reset(self) -> None:
@@ -238,7 +232,7 @@ class Engine:
         self.cache.clear()
         self.watch.stale = True
         self.given_up = None
-        self._failures = self._fresh = 0
+        self.failures = self._fresh = 0
 
     def invalidate(self) -> None:
         self.stats.invalidations += 1
@@ -247,118 +241,8 @@ class Engine:
         self.reset()
         self.watch.refresh()
 
-    # -- warm up, capture ----------------------------------------------------------------
-    def _warm(self, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
-              device: torch.device) -> Any:
-        options = self.options
-        timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
-        self.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
-        with _capture_lock, self._range("warmup"):
-            warm = training.warm if self._for_backward(key, flat) else lifecycle.warm
-            warmed = warm(self.fn, flat, backend, device, self.watch,
-                          learn=entry.runs == 0, timed=timed)
-        if warmed.problem is not None:  # the call ran; graphs would get it wrong
-            entry.give_up(warmed.problem.reason, warmed.problem.detail)
-            return warmed.out
-        entry.runs += 1
-        if timed:
-            entry.eager_s = min(entry.eager_s, warmed.seconds)
-        if warmed.hidden:
-            self.watch.guard_hidden(warmed.hidden)
-        if warmed.written:
-            self.cache.rekey(key, entry, flat, warmed.written)
-        return warmed.out
-
-    def _capture(self, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
-                 device: torch.device) -> Any:
-        """Capture the call, replay it once for its result, and keep the graph."""
-        stats = self.stats
-        with _capture_lock:
-            if entry.run is not None:  # another thread captured it meanwhile
-                return self._replay(entry, entry.run, flat)
-            if entry.state is State.EAGER:  # another thread gave up on it meanwhile
-                return self._act(Action.EAGER, key, entry, flat, backend, device)
-            start = time.perf_counter()
-            before = backend.memory_reserved(device)
-            inplace = self.cache.inplace.get(key.base(), ())
-            capture = (training.capturer(stats) if self._for_backward(key, flat)
-                       else lifecycle.capture)
-            try:
-                with self._range("capture"):
-                    captured = capture(self.fn, flat, backend, device, self.watch,
-                                       inplace, self.options.outputs == "reuse")
-            except lifecycle.WritesFound as found:
-                self.cache.rekey(key, entry, flat, found.positions)
-                stats.count_eager(EagerReason.IN_PLACE, warn=False)
-                return self.eager(*flat.call())
-            except Uncapturable as exc:
-                return self._capture_failed(entry, flat, exc)
-            except BaseException as exc:  # the user's own error: it propagates, once
-                stats.count_eager(EagerReason.CAPTURE_FAILED,
-                                  f"the call raised {type(exc).__name__}", warn=False)
-                raise
-            try:
-                result = captured.runner()(flat.leaves)
-            except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
-                entry.graph = captured
-                return self._replay_failed(entry, exc, flat, counted=False)
-            missed = captured.static.differing(list(flat.leaves))
-            if missed:  # written through something no operator declared (a raw kernel)
-                self.cache.rekey(key, entry, flat, set(missed))
-                stats.count_eager(EagerReason.IN_PLACE, warn=False)
-                if not inplace and not captured.state_written:  # nothing real was written
-                    return self.eager(*flat.call())  # (a read copy may have been stale)
-                lifecycle.hand_back(captured, list(flat.leaves), missed)
-                return result
-            nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
-            return self._keep(key, entry, captured, result, nbytes, time.perf_counter() - start)
-
-    def _keep(self, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,
-              nbytes: int, seconds: float) -> Any:
-        stats = self.stats
-        budget = self.options.max_graph_memory
-        if budget is not None and nbytes > budget:
-            entry.give_up(EagerReason.MEMORY, f"{nbytes} bytes")
-            stats.count_eager(EagerReason.MEMORY, f"needs {nbytes} bytes, budget {budget}")
-            return result
-        if captured.hidden:
-            self.watch.guard_hidden(captured.hidden)
-            captured.hidden = []  # guarded by weak reference: the graph must not keep them
-        entry.graph = captured
-        run = captured.runner()
-        if self.options.min_speedup is not None:
-            run = gate.trial(self.cache, entry, run, self.options.min_speedup, stats.name)
-        entry.run = run
-        stats.captures += 1
-        stats.capture_seconds += seconds
-        self.cache.keep(entry, nbytes)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("%s: captured %s in %.1f ms, %.2f MiB of graph memory", stats.name,
-                         key.describe(), seconds * 1e3, nbytes / 2**20)
-        stats.count_capture()
-        return result
-
-    def _capture_failed(self, entry: Entry, flat: Flat, exc: Uncapturable) -> Any:
-        """Run the call eagerly; if eager succeeds, the key stays eager for good (if eager
-        raises too, the error is the user's own: it propagates unchanged and the key
-        will be captured again)."""
-        if exc.reason is not EagerReason.CAPTURE_FAILED:
-            entry.give_up(exc.reason, exc.detail)
-        try:
-            out = self.eager(*flat.call())
-        except BaseException:
-            self.stats.count_eager(exc.reason, exc.detail, warn=False)
-            raise
-        entry.give_up(exc.reason, exc.detail)
-        self.stats.count_eager(exc.reason, exc.detail)
-        if exc.reason is EagerReason.CAPTURE_FAILED:
-            self._failures += 1
-            if self._failures >= GIVE_UP_FAILURES and not self.stats.replays:
-                self._give_up_all(f"{self._failures} captures failed and none replayed")
-        return out
-
     # -- replay ------------------------------------------------------------------------
-    def _replay(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
+    def replay_entry(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
         """Replay ``entry`` for these arguments; if the replay itself fails, drop the
         graph and run eagerly."""
         if self.verify_every is not None:
@@ -372,7 +256,7 @@ class Engine:
             else:
                 result = run(flat.leaves)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
-            return self._replay_failed(entry, exc, flat)
+            return self.replay_failed(entry, exc, flat)
         if result is _HELD:
             return self._protect(flat, entry.graph.held_reason)
         self.stats.replays += 1
@@ -413,7 +297,7 @@ class Engine:
         self.stats.count_eager(EagerReason.VERIFY_FAILED, problem, warn=False)
         return result
 
-    def _replay_failed(self, entry: Entry, exc: Exception, flat: Flat,
+    def replay_failed(self, entry: Entry, exc: Exception, flat: Flat,
                        counted: bool = True) -> Any:
         detail = lifecycle._first_line(exc)
         with self.cache.lock:
@@ -425,7 +309,7 @@ class Engine:
         self.stats.count_eager(EagerReason.REPLAY_FAILED, detail)
         return self.eager(*flat.call())
 
-    def _range(self, what: str) -> contextlib.AbstractContextManager[Any]:
+    def profiler_range(self, what: str) -> contextlib.AbstractContextManager[Any]:
         """A named range in torch.profiler traces (and Nsight, under ``emit_nvtx``)
         while a profiler runs; nothing otherwise."""
         return record_function(self.labels[what]) if _profiling() else _NO_RANGE

@@ -34,6 +34,10 @@ from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Captured, use_count
 from .vocab import EagerReason, Uncapturable
 
+# Warmups and captures are serialized process-wide: capture must not interleave with
+# another capture into the same pool, and it keeps warmup and capture on one stream.
+CAPTURE_LOCK = threading.RLock()
+
 # Exceptions that a failed capture raises (torch's own, and the CPU stand-in's
 # RuntimeError subclass).  Anything else comes from the user's code: it propagates.
 CAPTURE_ERRORS = (RuntimeError, MemoryError)

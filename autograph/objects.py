@@ -43,6 +43,7 @@ from .walk import VALUES, Walked, walk
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _strided = torch.strided
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__
 
 
 class ObjectKey(NamedTuple):
@@ -89,7 +90,7 @@ def object_key(x: Any) -> tuple[ObjectKey, Walked]:
     else:
         counter = [0]
         state = walk(x, walked, type(x).__name__, 0, counter)
-    return ObjectKey(type(x), state, ()), walked
+    return _new(ObjectKey, (type(x), state, ())), walked
 
 
 def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
@@ -97,11 +98,12 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     version counter of a host tensor when the call runs elsewhere."""
     keys = []
     host = device.type != "cpu"
+    grad = torch.is_grad_enabled()
     for k, t in enumerate(walked.tensors):
-        if t.layout is not _strided or type(t) not in _PLAIN:
+        if type(t) not in _PLAIN or t.layout is not _strided:
             raise Uncapturable(EagerReason.UNKEYABLE, f"{walked.path(k)}: a {t.layout} tensor "
                                f"or a tensor subclass inside an argument object")
-        if t.requires_grad and torch.is_grad_enabled():
+        if grad and t.requires_grad:
             raise Uncapturable(EagerReason.AUTOGRAD, f"{walked.path(k)} requires grad")
         tdev = t.device
         if tdev == device:
@@ -111,9 +113,9 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
         else:
             raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{walked.path(k)} is on {tdev}, "
                                f"the call on {device}")
-        keys.append(ObjectTensor(t.shape, t.stride(), t.dtype, tdev,
-                                 t.data_ptr() if t.numel() else 0, version))
-    return part._replace(tensors=tuple(keys))
+        keys.append(_new(ObjectTensor, (t.shape, t.stride(), t.dtype, tdev,
+                                        t.data_ptr() if t.numel() else 0, version)))
+    return _new(ObjectKey, (part.kind, part.state, tuple(keys)))
 
 
 def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:

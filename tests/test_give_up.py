@@ -3,7 +3,8 @@
 import torch
 
 import autograph
-from autograph.dispatch import GIVE_UP_FAILURES, GIVE_UP_FRESH_KEYS
+from autograph.dispatch import GIVE_UP_FRESH_KEYS
+from autograph.recording import GIVE_UP_FAILURES
 
 
 def test_keys_that_never_repeat_stop_warming_up(standin):

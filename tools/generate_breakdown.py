@@ -42,9 +42,20 @@ def wall_ms(fn, runs=3):
     return best * 1e3
 
 
+def profiled(fn):
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(fn)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--profile", action="store_true",
+                   help="also print a cProfile of autograph's generate (top functions)")
     args = p.parse_args()
     model = build_model()
     ids = torch.randint(3, 32000, (1, 16), device="cuda")
@@ -56,8 +67,8 @@ def main():
         "autograph": lambda: fast.generate(ids, **kw, disable_compile=True),
         "transformers compiled": lambda: model.generate(ids, **kw),
     }
-    host = []
-    dispatch = Engine.dispatch
+    host, keying = [], []
+    dispatch, key = Engine.dispatch, Engine._key
 
     def timed_dispatch(self, a, k):
         start = time.perf_counter()
@@ -65,6 +76,13 @@ def main():
             return dispatch(self, a, k)
         finally:
             host.append(time.perf_counter() - start)
+
+    def timed_key(self, a, k):
+        start = time.perf_counter()
+        try:
+            return key(self, a, k)
+        finally:
+            keying.append(time.perf_counter() - start)
 
     with torch.inference_mode():
         for name, fn in paths.items():
@@ -74,15 +92,19 @@ def main():
             line = (f"{name:<24} wall {wall:7.3f} ms/token   device {dev:7.3f} ms/token   "
                     f"host-added {wall - dev:7.3f}")
             if name == "autograph":
-                Engine.dispatch = timed_dispatch
+                Engine.dispatch, Engine._key = timed_dispatch, timed_key
                 try:
                     fn()
                 finally:
-                    Engine.dispatch = dispatch
+                    Engine.dispatch, Engine._key = dispatch, key
                 steps = sorted(host)[: max(1, len(host) - 2)]  # without the prefill
-                line += (f"   autograph per call {1e6 * sum(steps) / len(steps):6.1f} us "
-                         f"(median {1e6 * steps[len(steps) // 2]:6.1f})")
+                keys = sorted(keying)
+                median = 1e6 * steps[len(steps) // 2]
+                line += (f"\n    autograph per decode call: median {median:6.1f} us, of "
+                         f"which keying {1e6 * keys[len(keys) // 2]:6.1f} us")
             print(line, flush=True)
+            if name == "autograph" and args.profile:
+                profiled(fn)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,140 @@
+"""Warming up and capturing a key: what an engine does before a key can replay.
+
+``dispatch.Engine`` decides (key -> entry -> action); for the actions ``WARM`` and
+``CAPTURE`` it calls :func:`warm` and :func:`capture` here, which run the call through
+``lifecycle`` (or ``training`` for a call that autograd records), learn what it writes,
+keep the graph within the memory budget and the ``min_speedup`` trial, and turn a
+failed capture into an eager run with its reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import gate, lifecycle, replay, training
+from .cache import Entry
+from .capture import Backend
+from .flat import Flat
+from .keys import GraphKey
+from .vocab import Action, EagerReason, State, Uncapturable, logger
+
+if TYPE_CHECKING:  # the engine calls in; this module never calls it at import
+    from .dispatch import Engine
+
+# After this many keys given up after failed captures, with no replay ever, a callable
+# stops trying (``Engine.given_up``).
+GIVE_UP_FAILURES = 3
+
+
+def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
+          device: torch.device) -> Any:
+    options = engine.options
+    timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
+    engine.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
+    with lifecycle.CAPTURE_LOCK, engine.profiler_range("warmup"):
+        run_warm = training.warm if engine.for_backward(key, flat) else lifecycle.warm
+        warmed = run_warm(engine.fn, flat, backend, device, engine.watch,
+                      learn=entry.runs == 0, timed=timed)
+    if warmed.problem is not None:  # the call ran; graphs would get it wrong
+        entry.give_up(warmed.problem.reason, warmed.problem.detail)
+        return warmed.out
+    entry.runs += 1
+    if timed:
+        entry.eager_s = min(entry.eager_s, warmed.seconds)
+    if warmed.hidden:
+        engine.watch.guard_hidden(warmed.hidden)
+    if warmed.written:
+        engine.cache.rekey(key, entry, flat, warmed.written)
+    return warmed.out
+
+def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
+             device: torch.device) -> Any:
+    """Capture the call, replay it once for its result, and keep the graph."""
+    stats = engine.stats
+    with lifecycle.CAPTURE_LOCK:
+        if entry.run is not None:  # another thread captured it meanwhile
+            return engine.replay_entry(entry, entry.run, flat)
+        if entry.state is State.EAGER:  # another thread gave up on it meanwhile
+            return engine.act(Action.EAGER, key, entry, flat, backend, device)
+        start = time.perf_counter()
+        before = backend.memory_reserved(device)
+        inplace = engine.cache.inplace.get(key.base(), ())
+        run_capture = (training.capturer(stats) if engine.for_backward(key, flat)
+                       else lifecycle.capture)
+        try:
+            with engine.profiler_range("capture"):
+                captured = run_capture(engine.fn, flat, backend, device, engine.watch,
+                                   inplace, engine.options.outputs == "reuse")
+        except lifecycle.WritesFound as found:
+            engine.cache.rekey(key, entry, flat, found.positions)
+            stats.count_eager(EagerReason.IN_PLACE, warn=False)
+            return engine.eager(*flat.call())
+        except Uncapturable as exc:
+            return _capture_failed(engine, entry, flat, exc)
+        except BaseException as exc:  # the user's own error: it propagates, once
+            stats.count_eager(EagerReason.CAPTURE_FAILED,
+                              f"the call raised {type(exc).__name__}", warn=False)
+            raise
+        try:
+            result = captured.runner()(flat.leaves)
+        except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
+            entry.graph = captured
+            return engine.replay_failed(entry, exc, flat, counted=False)
+        missed = captured.static.differing(list(flat.leaves))
+        if missed:  # written through something no operator declared (a raw kernel)
+            engine.cache.rekey(key, entry, flat, set(missed))
+            stats.count_eager(EagerReason.IN_PLACE, warn=False)
+            if not inplace and not captured.state_written:  # nothing real was written
+                return engine.eager(*flat.call())  # (a read copy may have been stale)
+            lifecycle.hand_back(captured, list(flat.leaves), missed)
+            return result
+        nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
+        return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start)
+
+def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,
+          nbytes: int, seconds: float) -> Any:
+    stats = engine.stats
+    budget = engine.options.max_graph_memory
+    if budget is not None and nbytes > budget:
+        entry.give_up(EagerReason.MEMORY, f"{nbytes} bytes")
+        stats.count_eager(EagerReason.MEMORY, f"needs {nbytes} bytes, budget {budget}")
+        return result
+    if captured.hidden:
+        engine.watch.guard_hidden(captured.hidden)
+        captured.hidden = []  # guarded by weak reference: the graph must not keep them
+    entry.graph = captured
+    run = captured.runner()
+    if engine.options.min_speedup is not None:
+        run = gate.trial(engine.cache, entry, run, engine.options.min_speedup, stats.name)
+    entry.run = run
+    stats.captures += 1
+    stats.capture_seconds += seconds
+    engine.cache.keep(entry, nbytes)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: captured %s in %.1f ms, %.2f MiB of graph memory", stats.name,
+                     key.describe(), seconds * 1e3, nbytes / 2**20)
+    stats.count_capture()
+    return result
+
+def _capture_failed(engine: Engine, entry: Entry, flat: Flat, exc: Uncapturable) -> Any:
+    """Run the call eagerly; if eager succeeds, the key stays eager for good (if eager
+    raises too, the error is the user's own: it propagates unchanged and the key
+    will be captured again)."""
+    if exc.reason is not EagerReason.CAPTURE_FAILED:
+        entry.give_up(exc.reason, exc.detail)
+    try:
+        out = engine.eager(*flat.call())
+    except BaseException:
+        engine.stats.count_eager(exc.reason, exc.detail, warn=False)
+        raise
+    entry.give_up(exc.reason, exc.detail)
+    engine.stats.count_eager(exc.reason, exc.detail)
+    if exc.reason is EagerReason.CAPTURE_FAILED:
+        engine.failures += 1
+        if engine.failures >= GIVE_UP_FAILURES and not engine.stats.replays:
+            engine.give_up_all(f"{engine.failures} captures failed and none replayed")
+    return out

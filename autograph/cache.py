@@ -30,7 +30,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used",
+        "used", "digest",
     )
 
     def __init__(self) -> None:
@@ -44,6 +44,7 @@ class Entry:
         self.eager_s = float("inf")  # fastest timed warmup run (under min_speedup)
         self.speedup: float | None = None  # eager / replay time, once judged
         self.used = 0  # the cache's use stamp at this entry's last use (for LRU)
+        self.digest: int | None = None  # the key's digest for the ranks, once computed
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""

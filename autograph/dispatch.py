@@ -125,7 +125,10 @@ class Engine:
                   else Action.WARM if entry.runs < self.options.warmup or (
                       flat.objects and not entry.runs) else Action.CAPTURE)
         if self.ranks is not None and not _is_nested():
-            agreed = Action(self.ranks.agree(action, key.digest(), self.stats.name))
+            digest = entry.digest
+            if digest is None:  # hashing the key's text costs tens of µs: once per entry
+                digest = entry.digest = key.digest()
+            agreed = Action(self.ranks.agree(action, digest, self.stats.name))
             if agreed is not action:
                 return self._follow(agreed, key, entry, flat, backend, device)
         return self.act(action, key, entry, flat, backend, device)

@@ -42,6 +42,23 @@ def wall_ms(fn, runs=3):
     return best * 1e3
 
 
+def launch_us(fast):
+    """Host microseconds of ``CUDAGraph.replay()`` of the decode step's graph."""
+    engine = fast._self_engine
+    ready = [e for e in engine.cache.entries.values() if e.graph is not None]
+    if not ready:
+        return float("nan")
+    graph = max(ready, key=lambda e: e.used).graph.graph
+    times = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * sorted(times)[len(times) // 2]
+
+
 def profiled(fn):
     import cProfile
     import pstats
@@ -103,6 +120,8 @@ def main():
                 line += (f"\n    autograph per decode call: median {median:6.1f} us, of "
                          f"which keying {1e6 * keys[len(keys) // 2]:6.1f} us")
             print(line, flush=True)
+            if name == "autograph":
+                print(f"    graph launch (host, queue empty): {launch_us(fast):6.1f} us")
             if name == "autograph" and args.profile:
                 profiled(fn)
 

@@ -97,15 +97,25 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     leaves = flat.leaves
     wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
     state = {storage_ptr(t): t for t in watch.tensors() if t.requires_grad and t.numel()}
+    own = {_storage_key(t) for t in watch.tensors() if t.numel()}  # not overwritten
     saved: dict[int, torch.Tensor] = {}
+    spill: dict[tuple[Any, ...], torch.Tensor] | None = {}  # what a replay overwrites
     seen: dict[str, Any] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal spill
+        where = _storage_key(t)
         if state:
-            s = state.get(_storage_key(t))
+            s = state.get(where)
             if s is not None:
                 saved.setdefault(id(s), s)
-        return t.detach()  # no version check at unpack: replays rewrite saved tensors
+        d = t.detach()  # no version check at unpack: replays rewrite saved tensors
+        if where not in own and spill is not None:
+            if where == 0 or type(d) is not torch.Tensor or d.layout is not torch.strided:
+                spill = None  # unknown memory: a pending call holds the graph instead
+            elif d.numel():
+                spill.setdefault((d.data_ptr(), d.dtype, d.shape, d.stride()), d)
+        return d
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         static = list(args) + list(kwargs.values()) if flat.spec is None else \
@@ -122,7 +132,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     base = lifecycle.capture(forward, flat, on_pool, device, watch, ())  # type: ignore[arg-type]
     out = seen["out"]
     _check_outputs(out, base, leaves, watch)
-    trained = Trained(base, on_pool, watch, stats, out, list(saved.values()))
+    trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
+                      None if spill is None else list(spill.values()))
     problem = _foreign(trained.static_diff, trained.targets, seen["start"])
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)

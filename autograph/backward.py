@@ -181,9 +181,9 @@ class Trained(replay.Captured):
         """Spill the pending owner, copy in, replay; this call becomes the owner.  The
         clones of the outputs in the pool (the rest of the flat outputs go to ``box``).
         Runs inside :meth:`_Replay.forward`, under the pool's lock."""
+        self.backend.order_replay(self.device, self.pool)
         if self.spill_set is not None and self._pending():
             self._spill()
-        self.backend.order_replay(self.device, self.pool)
         self.static.copy_in(leaves)
         self.graph.replay()
         call = self.owner = _Call(alive)
@@ -217,14 +217,18 @@ class Trained(replay.Captured):
         if spilled is None or spill is None:
             raise RuntimeError("autograph: a later call of this graph overwrote what this "
                                "call's backward needs (a bug in autograph; please report it)")
+        self.backend.order_replay(self.device, self.pool)
         if self._pending():
             self._spill()
-        self.backend.order_replay(self.device, self.pool)
         if _foreach_copy is not None and spill:
             _foreach_copy(spill, spilled)
         else:  # pragma: no cover - torch without _foreach_copy_
             for dst, src in zip(spill, spilled):
                 dst.copy_(src)
+        if self.device.type == "cuda":  # freed below: not reused before the copy ran
+            stream = torch.cuda.current_stream(self.device)
+            for t in spilled:
+                t.record_stream(stream)
         call.spilled = None
         self.owner = call
 

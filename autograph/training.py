@@ -137,6 +137,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     problem = _foreign(trained.static_diff, trained.targets, seen["start"])
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)
+    if trained.spill_set is not None:
+        trained.spill_set = _with_ctx_tensors(trained.spill_set, trained.static_diff, own)
     return trained
 
 
@@ -179,6 +181,36 @@ def _check_outputs(out: Any, base: replay.Captured, leaves: Any, watch: Watch) -
                 and id(t) not in own:
             raise Uncapturable(UNSUPPORTED, "an output that requires grad is a view of "
                                "an argument or parameter")
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+          slice, type(Ellipsis))
+
+
+def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: set[int]
+                      ) -> list[torch.Tensor] | None:
+    """``spill`` and the tensors that custom ``autograd.Function`` nodes of the captured
+    graph keep as ``ctx`` attributes (no saved-tensor hook sees those), or None if such
+    a node keeps something whose tensors cannot be known (then nothing is spilled)."""
+    stack = [t.grad_fn for t in outs]
+    seen: set[int] = set()
+    extra = {id(t): t for t in spill}
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            for leaf in pytree.tree_leaves(vars(node)):
+                if isinstance(leaf, torch.Tensor):
+                    if type(leaf) is not torch.Tensor or leaf.layout is not torch.strided:
+                        return None
+                    if _storage_key(leaf) not in own and leaf.numel():
+                        extra.setdefault(id(leaf), leaf.detach())
+                elif not isinstance(leaf, _PLAIN):
+                    return None
+        stack.extend(n for n, _ in node.next_functions)
+    return list(extra.values())
 
 
 def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) -> str | None:

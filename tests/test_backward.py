@@ -515,3 +515,47 @@ def test_params_requiring_grad_inputs_not_and_mixed_no_grad_calls_replay():
         assert torch.equal(y, want)
     s = autograph.stats(g)
     assert s["eager_reasons"] == {"warmup": 2} and s["captures"] == 2 and s["replays"] == 6
+
+
+class _Scale(torch.autograd.Function):
+    """Keeps a tensor as a ctx attribute, which no saved-tensor hook sees."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = x * 2
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.kept
+
+
+def test_custom_function_ctx_attributes_are_spilled_too():
+    lin = mlp()[0]
+
+    def f(x):
+        return _Scale.apply(lin(x)).sum(1)
+
+    g = autograph.graphed(f, warmup=1)
+    xs = [torch.randn(2, 8) for _ in range(5)]
+    got = []
+    for fn in (f, g):
+        lin.zero_grad()
+        outs = [fn(x) for x in xs]
+        for y in reversed(outs):
+            y.sum().backward()
+        got.append(lin.weight.grad.clone())
+    assert torch.equal(*got)
+    assert autograph.stats(g)["backward_spills"] >= 3
+
+
+def test_unknown_saved_state_keeps_backward_pending():
+    m = mlp()
+    g = autograph.graphed(m, warmup=0)
+    g(torch.randn(2, 8))
+    (entry,) = g._self_engine.cache.entries.values()
+    entry.graph.spill_set = None  # as when a saved tensor's memory cannot be known
+    a = g(torch.randn(2, 8))
+    g(torch.randn(2, 8))  # a is pending and cannot be spilled: eager
+    assert a.requires_grad
+    assert autograph.stats(g)["eager_reasons"] == {"backward_pending": 1}

@@ -73,6 +73,15 @@ class _OnPool:
         return getattr(self._backend, name)
 
 
+def _copy(dst: list[torch.Tensor], src: list[Any]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, batched where torch can."""
+    if _foreach_copy is not None and len(dst) > 1:
+        _foreach_copy(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
 class _Call:
     """One call of a training graph: whether its backward may still run (``alive``, a
     weak reference to a token it saved for backward) and its spilled state."""
@@ -134,7 +143,7 @@ class Trained(replay.Captured):
     def runner(self) -> Callable[[Any], Any]:
         """The call: a replay inside :class:`_Replay`, or :data:`replay.HELD` (the
         engine then runs the call eagerly for ``held_reason``)."""
-        lock, apply = self.pool.lock, _Replay.apply
+        lock = self.pool.lock
         sources, spec, pool_idx = self.sources, self.spec, self.pool_idx
         state, inputs_state = self.state, self.inputs_state
 
@@ -149,7 +158,7 @@ class Trained(replay.Captured):
             with lock:
                 if self.spill_set is None and self._pending():
                     return self._hold()
-                outs = apply(self, leaves, flat_box, *inputs)
+                outs = _apply(self, leaves, flat_box, *inputs)
             if self.single is not None:
                 return outs[0]
             flat = flat_box[0]
@@ -199,11 +208,7 @@ class Trained(replay.Captured):
         owner, spill = self.owner, self.spill_set
         assert owner is not None and spill is not None
         copies = [torch.empty_like(t) for t in spill]
-        if _foreach_copy is not None and copies:
-            _foreach_copy(copies, spill)
-        else:  # pragma: no cover - torch without _foreach_copy_
-            for dst, src in zip(copies, spill):
-                dst.copy_(src)
+        _copy(copies, spill)
         owner.spilled = copies
         self.owner = None
         if self.stats is not None:
@@ -220,11 +225,7 @@ class Trained(replay.Captured):
         self.backend.order_replay(self.device, self.pool)
         if self._pending():
             self._spill()
-        if _foreach_copy is not None and spill:
-            _foreach_copy(spill, spilled)
-        else:  # pragma: no cover - torch without _foreach_copy_
-            for dst, src in zip(spill, spilled):
-                dst.copy_(src)
+        _copy(spill, spilled)
         if self.device.type == "cuda":  # freed below: not reused before the copy ran
             stream = torch.cuda.current_stream(self.device)
             for t in spilled:
@@ -246,11 +247,14 @@ class Trained(replay.Captured):
                 return list(torch.autograd.grad(self.static_diff, self.targets, wanted,
                                                 retain_graph=True, allow_unused=True))
             self.backend.order_replay(self.device, self.pool)
-            for buf, g in zip(self.grad_in, wanted):
-                buf.copy_(g)
+            _copy(self.grad_in, wanted)
             self.backward_graph.replay()
-            # clones: AccumulateGrad would otherwise adopt a static tensor as ``.grad``
-            out = [None if g is None else g.clone() for g in self.grad_out]
+            # copies: AccumulateGrad would otherwise adopt a static tensor as ``.grad``
+            got = [g for g in self.grad_out if g is not None]
+            fresh = [torch.empty_like(g) for g in got]
+            _copy(fresh, got)
+            it = iter(fresh)
+            out = [None if g is None else next(it) for g in self.grad_out]
         if self.stats is not None:
             self.stats.backward_replays += 1
         return out
@@ -305,3 +309,15 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.saved_tensors  # noqa: B018 - autograd's check: a saved parameter changed raises
         return (None, None, None, *ctx.graph.replay_backward(ctx.call, grads))
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_raw_apply = super(torch.autograd.Function, _Replay).apply  # the C entry point
+
+
+def _apply(*args: Any) -> Any:
+    """``_Replay.apply`` without its Python wrapper's per-argument pass (functorch
+    transforms aside, where the wrapper is needed)."""
+    if _functorch_active():
+        return _Replay.apply(*args)
+    return _raw_apply(*args)

@@ -188,7 +188,7 @@ def test_old_output_backward_after_new_forward_is_right():
     for p, q in zip(eager.parameters(), g.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **EXACT)
     s = autograph.stats(g)
-    assert s["eager_reasons"] == {} and s["backward_spills"] >= 1, s
+    assert s["eager_reasons"] == {"warmup": 1} and s["backward_spills"] >= 1, s
 
 
 @pytest.mark.parametrize("name", ["mlp", "transformer"])

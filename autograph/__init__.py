@@ -204,8 +204,9 @@ def graphed(
             argument or parameter requiring grad) replays a forward graph, and its
             backward replays a backward graph captured at the key's first backward;
             gradients accumulate into ``.grad`` as in eager mode.  A call made while an
-            earlier call of the same graph may still be backpropagated runs eagerly
-            (``backward_pending``).  False: such calls run eagerly (``autograd``).
+            earlier call of the same graph may still be backpropagated first copies
+            that call's saved state out (``backward_spills``); its backward copies it
+            back.  False: such calls run eagerly (``autograd``).
     """
     options = Options(warmup, max_graphs, max_graph_memory, buckets, batch_dims, pad_values,
                       min_speedup, group, verify_every, outputs, pad_writes, backward)

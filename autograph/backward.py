@@ -22,11 +22,17 @@ training:
   graph eagerly (it reads the static memory the replay just wrote), and the key's next
   call captures it; later backwards replay it.  A forward whose outputs are never
   backpropagated never captures one.
-* A replay overwrites what the previous call of the graph saved.  While that call's
-  backward may still run (its outputs are alive and were not backpropagated, or were
-  with ``retain_graph=True``: a token it saved for backward is still alive), the new
-  call runs eagerly instead (``backward_pending``); a generation counter checked in
-  backward is the last guard.  Double backward raises (``once_differentiable``).
+* A replay overwrites what the previous call of the graph saved for its backward (the
+  *spill set*: every tensor the captured autograd graph saved that is no parameter or
+  buffer: static inputs, activations, outputs).  One call at a time *owns* the spill
+  set.  Before a replay overwrites it, an owner whose backward may still run (a token
+  it saved for backward is alive: its outputs are alive and were not backpropagated,
+  or were with ``retain_graph=True``) gets a copy of it (a *spill*, ``backward_spills``).
+  A backward whose call does not own the spill set first spills the owner (if pending),
+  copies its own state back and becomes the owner; its copy is then dropped.  Memory
+  thus grows like eager's only while outputs are held.  Where the spill set cannot be
+  known, such a call runs eagerly instead (``backward_pending``).  Double backward
+  raises (``once_differentiable``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
 from . import lifecycle, replay
+from .buffers import _foreach_copy
 from .capture import Backend, Pool
 from .guards import Watch
 from .stats import Stats
@@ -66,16 +73,37 @@ class _OnPool:
         return getattr(self._backend, name)
 
 
+def _copy(dst: list[torch.Tensor], src: list[Any]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, batched where torch can."""
+    if _foreach_copy is not None and len(dst) > 1:
+        _foreach_copy(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+class _Call:
+    """One call of a training graph: whether its backward may still run (``alive``, a
+    weak reference to a token it saved for backward) and its spilled state."""
+
+    __slots__ = ("alive", "spilled")
+
+    def __init__(self, alive: Callable[[], Any]) -> None:
+        self.alive = alive
+        self.spilled: list[torch.Tensor] | None = None
+
+
 class Trained(replay.Captured):
     """A forward graph captured for training, with its backward (captured lazily)."""
 
     __slots__ = ("watch", "stats", "spec", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
-                 "generation", "pending", "held_reason", "want_backward", "backward_graph",
-                 "grad_in", "grad_out")
+                 "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
+                 "grad_in", "grad_out", "single")
 
     def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
-                 stats: Stats | None, out: Any, saved_state: list[torch.Tensor]) -> None:
+                 stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
+                 spill_set: list[torch.Tensor] | None) -> None:
         super().__init__(base.graph, base.static, base.build, cast(Backend, backend),
                          base.device, base.seeded, base.hidden, base.state_written,
                          base.inplace)
@@ -88,6 +116,9 @@ class Trained(replay.Captured):
         self.diff = [k for k, t in enumerate(pooled) if t.requires_grad]
         self.nondiff = [k for k, t in enumerate(pooled) if not t.requires_grad]
         self.static_diff = [pooled[k] for k in self.diff]  # with the captured grad_fn
+        # one tensor out, in the pool: no flattening per call
+        self.single = pooled[0] if self.spec.num_leaves == 1 and len(pooled) == 1 \
+            and self.spec.is_leaf() else None
         # one target per distinct static buffer that requires grad, then the state
         first: dict[int, int] = {}
         for i, buf in zip(base.static.positions, base.static.buffers):
@@ -100,8 +131,8 @@ class Trained(replay.Captured):
         self.targets = [base.static.buffers[base.static.positions.index(i)]
                         for i in self.sources] + self.inputs_state
         self.saved_state = saved_state
-        self.generation = 0
-        self.pending: Callable[[], Any] | None = None  # a weak ref to the last call's token
+        self.spill_set = spill_set  # None: unknown, a pending call holds the graph
+        self.owner: _Call | None = None  # the call whose state the spill set holds
         self.held_reason: tuple[EagerReason, str] | None = None
         self.want_backward = False
         self.backward_graph: Any = None
@@ -112,76 +143,118 @@ class Trained(replay.Captured):
     def runner(self) -> Callable[[Any], Any]:
         """The call: a replay inside :class:`_Replay`, or :data:`replay.HELD` (the
         engine then runs the call eagerly for ``held_reason``)."""
-        lock, apply = self.pool.lock, _Replay.apply
+        lock = self.pool.lock
         sources, spec, pool_idx = self.sources, self.spec, self.pool_idx
+        state, inputs_state = self.state, self.inputs_state
 
         def run(leaves: Any) -> Any:
-            if self._held():
-                return _HELD
+            if [t.requires_grad for t in state] != flags_list:
+                return self._hold()
             if self.want_backward:
                 self._capture_backward()
-            inputs = [leaves[i] for i in sources]
-            inputs.extend(self.inputs_state)
-            box: list[list[Any]] = []
+            inputs = [leaves[i] for i in sources] + inputs_state if sources \
+                else inputs_state
+            flat_box: list[list[Any]] = []
             with lock:
-                if self._held():  # another thread's call got there first
-                    return _HELD
-                outs = apply(self, leaves, box, *inputs)
-            flat = box[0]
+                if self.spill_set is None and self._pending():
+                    return self._hold()
+                outs = _apply(self, leaves, flat_box, *inputs)
+            if self.single is not None:
+                return outs[0]
+            flat = flat_box[0]
             for k, j in enumerate(pool_idx):
                 flat[j] = outs[k]
             return pytree.tree_unflatten(flat, spec)
 
+        flags_list = list(self.flags)
         return run
 
-    def _held(self) -> bool:
-        """Whether this call must run eagerly: the previous call's backward may still
-        need what the replay would overwrite, or a parameter's requires_grad changed
-        (then the graphs are dropped at the next call)."""
-        pending = self.pending
-        if pending is not None and pending() is not None:
-            self.held_reason = (EagerReason.BACKWARD_PENDING, "")
-            return True
-        if tuple(t.requires_grad for t in self.state) != self.flags:
+    def _pending(self) -> bool:
+        owner = self.owner
+        return owner is not None and owner.alive() is not None
+
+    def _hold(self) -> Any:
+        """Why this call must run eagerly: a parameter's requires_grad changed (the
+        graphs are dropped at the next call), or the previous call's backward may still
+        need what the replay would overwrite and it cannot be spilled."""
+        if [t.requires_grad for t in self.state] != list(self.flags):
             self.watch.dirty = True
             self.held_reason = (EagerReason.BACKWARD_UNSUPPORTED,
                                 "a parameter's requires_grad changed: capturing again")
-            return True
-        return False
+        else:
+            self.held_reason = (EagerReason.BACKWARD_PENDING, "")
+        return _HELD
 
-    def replay_forward(self, leaves: Any, box: list[list[Any]]) -> tuple[torch.Tensor, ...]:
-        """Copy in, replay, and the clones of the outputs in the pool (the rest of the
-        flat outputs go to ``box``).  Runs inside :meth:`_Replay.forward`."""
+    def replay_forward(self, leaves: Any, box: list[list[Any]], alive: Callable[[], Any]
+                       ) -> tuple[_Call, tuple[torch.Tensor, ...]]:
+        """Spill the pending owner, copy in, replay; this call becomes the owner.  The
+        clones of the outputs in the pool (the rest of the flat outputs go to ``box``).
+        Runs inside :meth:`_Replay.forward`, under the pool's lock."""
         self.backend.order_replay(self.device, self.pool)
+        if self.spill_set is not None and self._pending():
+            self._spill()
         self.static.copy_in(leaves)
         self.graph.replay()
-        self.generation += 1
+        call = self.owner = _Call(alive)
+        single = self.single
+        if single is not None:
+            return call, (single.clone(),)
         flat = pytree.tree_leaves(self.build(leaves))
         box.append(flat)
-        return tuple(flat[j] for j in self.pool_idx)
+        return call, tuple(flat[j] for j in self.pool_idx)
 
-    # -- backward --------------------------------------------------------------------
-    def replay_backward(self, generation: int, grads: tuple[Any, ...]
-                        ) -> list[torch.Tensor | None]:
-        """The gradients of the targets for the call of ``generation``."""
-        if generation != self.generation:  # the pending check makes this unreachable
+    def _spill(self) -> None:
+        """Copy the spill set out to the owner (whose backward may still run)."""
+        owner, spill = self.owner, self.spill_set
+        assert owner is not None and spill is not None
+        copies = [torch.empty_like(t) for t in spill]
+        _copy(copies, spill)
+        owner.spilled = copies
+        self.owner = None
+        if self.stats is not None:
+            self.stats.backward_spills += 1
+
+    def _own(self, call: _Call) -> None:
+        """Put ``call``'s spilled state back into the spill set (under the lock)."""
+        if call is self.owner:
+            return
+        spilled, spill = call.spilled, self.spill_set
+        if spilled is None or spill is None:
             raise RuntimeError("autograph: a later call of this graph overwrote what this "
                                "call's backward needs (a bug in autograph; please report it)")
+        self.backend.order_replay(self.device, self.pool)
+        if self._pending():
+            self._spill()
+        _copy(spill, spilled)
+        if self.device.type == "cuda":  # freed below: not reused before the copy ran
+            stream = torch.cuda.current_stream(self.device)
+            for t in spilled:
+                t.record_stream(stream)
+        call.spilled = None
+        self.owner = call
+
+    # -- backward --------------------------------------------------------------------
+    def replay_backward(self, call: _Call, grads: tuple[Any, ...]
+                        ) -> list[torch.Tensor | None]:
+        """The gradients of the targets for ``call``."""
         wanted = [grads[k] for k in self.diff]
-        if self.backward_graph is None:  # not captured yet: the captured autograd graph
-            self.want_backward = True
-            if self.stats is not None:
-                self.stats.backward_eager += 1
-            got = torch.autograd.grad(self.static_diff, self.targets, wanted,
-                                      retain_graph=True, allow_unused=True)
-            return list(got)
         with self.pool.lock:
+            self._own(call)
+            if self.backward_graph is None:  # not captured yet: the captured autograd graph
+                self.want_backward = True
+                if self.stats is not None:
+                    self.stats.backward_eager += 1
+                return list(torch.autograd.grad(self.static_diff, self.targets, wanted,
+                                                retain_graph=True, allow_unused=True))
             self.backend.order_replay(self.device, self.pool)
-            for buf, g in zip(self.grad_in, wanted):
-                buf.copy_(g)
+            _copy(self.grad_in, wanted)
             self.backward_graph.replay()
-            # clones: AccumulateGrad would otherwise adopt a static tensor as ``.grad``
-            out = [None if g is None else g.clone() for g in self.grad_out]
+            # copies: AccumulateGrad would otherwise adopt a static tensor as ``.grad``
+            got = [g for g in self.grad_out if g is not None]
+            fresh = [torch.empty_like(g) for g in got]
+            _copy(fresh, got)
+            it = iter(fresh)
+            out = [None if g is None else next(it) for g in self.grad_out]
         if self.stats is not None:
             self.stats.backward_replays += 1
         return out
@@ -222,11 +295,10 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graph: Trained, leaves: Any, box: list[list[Any]],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outs = graph.replay_forward(leaves, box)
-        ctx.graph = graph
-        ctx.generation = graph.generation
         token = torch.empty(0)  # alive while this call's backward may still run
-        graph.pending = weakref.ref(token)
+        call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
+        ctx.graph = graph
+        ctx.call = call
         ctx.save_for_backward(token, *graph.saved_state)
         if graph.nondiff:
             ctx.mark_non_differentiable(*[outs[k] for k in graph.nondiff])
@@ -236,4 +308,16 @@ class _Replay(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.saved_tensors  # noqa: B018 - autograd's check: a saved parameter changed raises
-        return (None, None, None, *ctx.graph.replay_backward(ctx.generation, grads))
+        return (None, None, None, *ctx.graph.replay_backward(ctx.call, grads))
+
+
+_functorch_active = torch._C._are_functorch_transforms_active
+_raw_apply = super(torch.autograd.Function, _Replay).apply  # the C entry point
+
+
+def _apply(*args: Any) -> Any:
+    """``_Replay.apply`` without its Python wrapper's per-argument pass (functorch
+    transforms aside, where the wrapper is needed)."""
+    if _functorch_active():
+        return _Replay.apply(*args)
+    return _raw_apply(*args)

@@ -27,6 +27,8 @@ _COUNTERS = (
      "Calls run eagerly because an earlier reused output was still held"),
     ("backward_replays", "backward_replays", "Backwards served by replaying a backward graph"),
     ("backward_captures", "backward_captures", "Backward graphs captured"),
+    ("backward_spills", "backward_spills",
+     "Saved states of pending backwards copied out before a replay overwrote them"),
 )
 _GAUGES = (
     ("graphs", "graphs", "Live graphs"),

@@ -54,6 +54,7 @@ class Stats:
         "backward_replays",
         "backward_eager",
         "backward_captures",
+        "backward_spills",
         "buckets",
         "bucket_misses",
         "padding",
@@ -75,6 +76,7 @@ class Stats:
         self.backward_replays = 0  # backwards of training graphs served by a replay
         self.backward_eager = 0  # ... by the captured forward's autograd graph, eagerly
         self.backward_captures = 0  # backward graphs captured
+        self.backward_spills = 0  # saved states copied out before a replay overwrote them
         self.capture_seconds = 0.0
         self.graph_bytes = 0
         self.graphs = 0
@@ -143,6 +145,7 @@ class Stats:
             "backward_replays": self.backward_replays,
             "backward_eager": self.backward_eager,
             "backward_captures": self.backward_captures,
+            "backward_spills": self.backward_spills,
             "graphs": self.graphs,
             "graph_memory_bytes": self.graph_bytes,
             "capture_seconds": self.capture_seconds,

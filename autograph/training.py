@@ -97,15 +97,25 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     leaves = flat.leaves
     wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
     state = {storage_ptr(t): t for t in watch.tensors() if t.requires_grad and t.numel()}
+    own = {_storage_key(t) for t in watch.tensors() if t.numel()}  # not overwritten
     saved: dict[int, torch.Tensor] = {}
+    spill: dict[tuple[Any, ...], torch.Tensor] | None = {}  # what a replay overwrites
     seen: dict[str, Any] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal spill
+        where = _storage_key(t)
         if state:
-            s = state.get(_storage_key(t))
+            s = state.get(where)
             if s is not None:
                 saved.setdefault(id(s), s)
-        return t.detach()  # no version check at unpack: replays rewrite saved tensors
+        d = t.detach()  # no version check at unpack: replays rewrite saved tensors
+        if where not in own and spill is not None:
+            if where == 0 or type(d) is not torch.Tensor or d.layout is not torch.strided:
+                spill = None  # unknown memory: a pending call holds the graph instead
+            elif d.numel():
+                spill.setdefault((d.data_ptr(), d.dtype, d.shape, d.stride()), d)
+        return d
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         static = list(args) + list(kwargs.values()) if flat.spec is None else \
@@ -122,10 +132,13 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     base = lifecycle.capture(forward, flat, on_pool, device, watch, ())  # type: ignore[arg-type]
     out = seen["out"]
     _check_outputs(out, base, leaves, watch)
-    trained = Trained(base, on_pool, watch, stats, out, list(saved.values()))
+    trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
+                      None if spill is None else list(spill.values()))
     problem = _foreign(trained.static_diff, trained.targets, seen["start"])
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)
+    if trained.spill_set is not None:
+        trained.spill_set = _with_ctx_tensors(trained.spill_set, trained.static_diff, own)
     return trained
 
 
@@ -168,6 +181,36 @@ def _check_outputs(out: Any, base: replay.Captured, leaves: Any, watch: Watch) -
                 and id(t) not in own:
             raise Uncapturable(UNSUPPORTED, "an output that requires grad is a view of "
                                "an argument or parameter")
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.Size,
+          slice, type(Ellipsis))
+
+
+def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: set[int]
+                      ) -> list[torch.Tensor] | None:
+    """``spill`` and the tensors that custom ``autograd.Function`` nodes of the captured
+    graph keep as ``ctx`` attributes (no saved-tensor hook sees those), or None if such
+    a node keeps something whose tensors cannot be known (then nothing is spilled)."""
+    stack = [t.grad_fn for t in outs]
+    seen: set[int] = set()
+    extra = {id(t): t for t in spill}
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            for leaf in pytree.tree_leaves(vars(node)):
+                if isinstance(leaf, torch.Tensor):
+                    if type(leaf) is not torch.Tensor or leaf.layout is not torch.strided:
+                        return None
+                    if _storage_key(leaf) not in own and leaf.numel():
+                        extra.setdefault(id(leaf), leaf.detach())
+                elif not isinstance(leaf, _PLAIN):
+                    return None
+        stack.extend(n for n, _ in node.next_functions)
+    return list(extra.values())
 
 
 def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) -> str | None:

@@ -102,8 +102,8 @@ _MESSAGES = {
                               "running eagerly so that it is not overwritten",
     EagerReason.BACKWARD_UNSUPPORTED: "autograd records this call in a way a backward "
                                       "graph cannot replay",
-    EagerReason.BACKWARD_PENDING: "an earlier call's backward has not run yet: a replay "
-                                  "would overwrite what it saved",
+    EagerReason.BACKWARD_PENDING: "an earlier call's backward has not run yet and what "
+                                  "it saved cannot be spilled: a replay would overwrite it",
 }
 
 # Reasons that are steps on the way to a graph, not problems: never logged as warnings.

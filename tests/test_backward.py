@@ -161,15 +161,15 @@ def test_inputs_requiring_grad_and_an_argument_passed_twice():
     assert s["captures"] == 2 and s["replays"] == 4 and s["backward_replays"] == 4
 
 
-def test_a_second_forward_before_the_first_backward_runs_eagerly():
+def test_a_second_forward_before_the_first_backward_spills_and_replays():
     m = mlp()
     g = autograph.graphed(copy.deepcopy(m), warmup=0)
     x1, x2, x3 = (torch.randn(2, 8) for _ in range(3))
     g(x1).sum().backward()  # the capture, and the first backward
     for model in (m, g):
         a = model(x1)
-        b = model(x2)  # graphed: a's saved activations would be overwritten: eager
-        c = model(x3)  # a is still waiting: eager too
+        b = model(x2)  # graphed: a's saved activations are spilled first
+        c = model(x3)  # b's too
         b.sum().backward()
         a.sum().backward()
         c.sum().backward()
@@ -181,8 +181,8 @@ def test_a_second_forward_before_the_first_backward_runs_eagerly():
     for p, q in zip(m.parameters(), g.parameters()):
         assert torch.equal(p.grad, q.grad)
     s = autograph.stats(g)
-    assert s["eager_reasons"] == {"backward_pending": 3}
-    assert s["replays"] == 2
+    assert s["eager_reasons"] == {}
+    assert s["replays"] == 5 and s["backward_spills"] >= 4
 
 
 def test_outputs_never_backpropagated_capture_no_backward():
@@ -193,9 +193,10 @@ def test_outputs_never_backpropagated_capture_no_backward():
     s = autograph.stats(g)
     assert s["replays"] == 3 and s["backward_captures"] == 0 and s["backward_eager"] == 0
     kept = g(torch.randn(2, 8))
-    g(torch.randn(2, 8))  # kept may still be backpropagated: this call runs eagerly
+    g(torch.randn(2, 8))  # kept may still be backpropagated: its state is spilled
     assert kept.requires_grad
-    assert autograph.stats(g)["eager_reasons"] == {"warmup": 1, "backward_pending": 1}
+    s = autograph.stats(g)
+    assert s["eager_reasons"] == {"warmup": 1} and s["backward_spills"] == 1
 
 
 def test_dropout_draws_fresh_masks_and_gradients_follow_them():
@@ -383,3 +384,178 @@ def test_non_differentiable_outputs_and_verify_every():
         assert torch.equal(p.grad, q.grad)
     s = autograph.stats(h)
     assert s["verifications"] >= 1 and s["verify_failures"] == 0
+
+
+# -- spills: outputs held across later forwards (issue 17) -----------------------------
+def _twins():
+    m = mlp()
+    return m, autograph.graphed(copy.deepcopy(m), warmup=1)
+
+
+def _grads(model):
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]])
+def test_old_outputs_backpropagated_in_any_order_equal_eager(order):
+    m, g = _twins()
+    xs = [torch.randn(3, 8) for _ in range(5)]
+    g(xs[0]).sum().backward()  # warmup
+    g(xs[0]).sum().backward()  # capture (the first backward runs eagerly)
+    for model in (m, g):
+        model.zero_grad()
+        outs = [model(x) for x in xs]  # every call but the first spills the one before
+        for k, i in enumerate(order):
+            (outs[i].square().sum() * (k + 1)).backward()
+    for a, b in zip(_grads(m), _grads(g)):
+        assert torch.equal(a, b)
+    s = autograph.stats(g)
+    assert s["eager"] == 1 and s["replays"] == 5 and s["backward_spills"] >= 4
+
+
+def test_retain_graph_and_dropped_outputs_with_spills_equal_eager():
+    m, g = _twins()
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    g(xs[0]).sum().backward()
+    g(xs[0]).sum().backward()
+    for model in (m, g):
+        model.zero_grad()
+        a = model(xs[0]).sum()
+        a.backward(retain_graph=True)  # a stays pending
+        b = model(xs[1]).sum()  # spills a
+        model(xs[2])  # dropped at once: spills b, then nothing pending
+        c = model(xs[3]).sum()
+        a.backward()  # restores a (spilling c)
+        b.backward()
+        c.backward()
+    for x, y in zip(_grads(m), _grads(g)):
+        assert torch.equal(x, y)
+    s = autograph.stats(g)
+    assert s["eager_reasons"] == {"warmup": 1} and s["backward_spills"] >= 3
+
+
+def test_interleaved_keys_with_held_outputs_equal_eager():
+    m, g = _twins()
+    xs = [torch.randn(2 if i % 2 == 0 else 5, 8) for i in range(8)]
+    for model in (m, g):
+        model.zero_grad()
+        held = [model(x) for x in xs]  # two keys, interleaved
+        for i in (5, 0, 7, 2, 1, 6, 3, 4):
+            held[i].mean().backward()
+    for x, y in zip(_grads(m), _grads(g)):
+        assert torch.equal(x, y)
+    s = autograph.stats(g)
+    assert s["captures"] == 2 and s["replays"] == 4 and "backward_pending" not in s[
+        "eager_reasons"]
+
+
+def test_a_backward_after_its_state_was_spilled_twice():
+    m, g = _twins()
+    xs = [torch.randn(3, 8) for _ in range(3)]
+    for model in (m, g):
+        model.zero_grad()
+        model(xs[0]).sum().backward()
+        a = model(xs[0]).sum()
+        a.backward(retain_graph=True)
+        b = model(xs[1]).sum()  # spills a
+        a.backward(retain_graph=True)  # restores a, spills b
+        c = model(xs[2]).sum()  # spills a again
+        for t in (c, b, a):
+            t.backward()
+    for x, y in zip(_grads(m), _grads(g)):
+        assert torch.equal(x, y)
+
+
+# -- grad mode on, outputs never backpropagated: every call replays ---------------------
+def _inference_stats(loop):
+    g = autograph.graphed(mlp(), warmup=1)
+    loop(g)
+    s = autograph.stats(g)
+    assert s["eager_reasons"] == {"warmup": 1} and s["captures"] == 1, s
+    assert s["replays"] == s["calls"] - 2 and s["backward_captures"] == 0
+    return s
+
+
+def test_grad_mode_loop_keeping_every_output_replays():
+    kept = []
+    s = _inference_stats(lambda g: kept.extend(g(torch.randn(2, 8)) for _ in range(8)))
+    assert s["backward_spills"] == 6 and all(y.requires_grad for y in kept)
+
+
+def test_grad_mode_loop_dropping_outputs_replays_without_spills():
+    def loop(g):
+        for _ in range(8):
+            g(torch.randn(2, 8))
+
+    assert _inference_stats(loop)["backward_spills"] == 0
+
+
+def test_grad_mode_y_equals_model_x_then_item_replays():
+    def loop(g):
+        for _ in range(8):
+            y = g(torch.randn(2, 8))
+            y.sum().item()
+
+    _inference_stats(loop)
+
+
+def test_params_requiring_grad_inputs_not_and_mixed_no_grad_calls_replay():
+    m = mlp()
+    g = autograph.graphed(m, warmup=1)
+    x = torch.randn(2, 8)
+    want = m(x)
+    for i in range(10):
+        if i % 2:
+            with torch.no_grad():
+                y = g(x)
+            assert not y.requires_grad
+        else:
+            y = g(x)
+            assert y.requires_grad
+        assert torch.equal(y, want)
+    s = autograph.stats(g)
+    assert s["eager_reasons"] == {"warmup": 2} and s["captures"] == 2 and s["replays"] == 6
+
+
+class _Scale(torch.autograd.Function):
+    """Keeps a tensor as a ctx attribute, which no saved-tensor hook sees."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.kept = x * 2
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.kept
+
+
+def test_custom_function_ctx_attributes_are_spilled_too():
+    lin = mlp()[0]
+
+    def f(x):
+        return _Scale.apply(lin(x)).sum(1)
+
+    g = autograph.graphed(f, warmup=1)
+    xs = [torch.randn(2, 8) for _ in range(5)]
+    got = []
+    for fn in (f, g):
+        lin.zero_grad()
+        outs = [fn(x) for x in xs]
+        for y in reversed(outs):
+            y.sum().backward()
+        got.append(lin.weight.grad.clone())
+    assert torch.equal(*got)
+    assert autograph.stats(g)["backward_spills"] >= 3
+
+
+def test_unknown_saved_state_keeps_backward_pending():
+    m = mlp()
+    g = autograph.graphed(m, warmup=0)
+    g(torch.randn(2, 8))
+    (entry,) = g._self_engine.cache.entries.values()
+    entry.graph.spill_set = None  # as when a saved tensor's memory cannot be known
+    a = g(torch.randn(2, 8))
+    g(torch.randn(2, 8))  # a is pending and cannot be spilled: eager
+    assert a.requires_grad
+    assert autograph.stats(g)["eager_reasons"] == {"backward_pending": 1}

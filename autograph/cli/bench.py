@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-generate", dest="generate", action="store_false",
                         help="skip the transformers generate() workload (it runs only where "
                         "transformers is installed; the compiled path takes about 15 s)")
+    parser.add_argument("--no-train", dest="train", action="store_false",
+                        help="skip the training-step workload (bench_train)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON "
                         "('-' for standard output, replacing the tables)")
     parser.add_argument("--plot", metavar="PNG", help="draw decode latency per batch size "
@@ -350,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autograph bench: {NO_CUDA}.", file=sys.stderr if to_stdout else sys.stdout)
         if args.json:
             write_json(args.json, {"cuda": False, "reason": NO_CUDA, "environment": env,
-                                   "options": vars(args), "results": [], "variable": []})
+                                   "options": vars(args), "results": [], "variable": [],
+                                   "train": []})
         if args.plot:
             print("autograph bench: --plot: nothing measured, nothing drawn", file=sys.stderr)
         return 0
@@ -372,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         progress("variable batch: eager, buckets, one graph per size")
         variable = bench_variable(rounds=args.rounds)
         say(format_variable(variable))
+    train: list[Any] = []
+    if args.train:
+        from . import bench_train
+
+        train = bench_train.bench_train(rounds=args.rounds, progress=progress)
+        say(bench_train.format_train(train), flush=True)
     generate: list[Any] = []
     if args.generate:
         generate = _generate(progress, say)
@@ -379,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, {"cuda": True, "environment": env, "options": vars(args),
                                "results": [asdict(r) for r in results],
                                "variable": [asdict(r) for r in variable],
+                               "train": [asdict(r) for r in train],
                                "generate": [asdict(r) for r in generate]})
     if args.plot:
         plot(results, args.plot, f"autograph bench, {env['date']}: {env['gpu_name']} "

@@ -1,0 +1,240 @@
+"""The training workload of ``python -m autograph bench``: one optimizer step of a small
+policy MLP (64 in, three 256-wide layers, 16 out, fp32) per step: ``zero_grad``,
+forward, MSE loss, backward, ``AdamW`` step (``fused=True`` where torch has it for
+CUDA, else ``foreach=True``), at batch 1 and 32.
+
+Methods: eager, autograph (``graphed(model)``), ``torch.cuda.make_graphed_callables``
+(``model`` with one sample) and ``torch.compile(model, mode="reduce-overhead")``, each
+on its own copy of the same initial weights, fed the same batches.  Per method: the
+set-up and the first three steps (timed together), then more steps whose losses are
+compared with eager's (within ``tolerance``; a method that differs is not timed), then
+the median milliseconds per step over rounds interleaved across methods.
+
+    python -m autograph.cli.bench_train [--batch 1 32] [--rounds 15] [--steps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import autograph
+
+METHODS = ("eager", "autograph", "make_graphed_callables", "torch.compile")
+FIRST_STEPS = 3  # timed with the set-up
+CHECK_STEPS = 8  # losses compared with eager's (the first steps included)
+
+
+@dataclass
+class TrainRow:
+    """One method at one batch size."""
+
+    batch: int
+    method: str
+    ms_per_step: float | None  # median over the rounds; None if not timed
+    first_ms: float | None  # set-up plus the first FIRST_STEPS steps
+    max_loss_diff: float | None  # against eager, over the first CHECK_STEPS steps
+    optimizer: str
+    note: str = ""
+
+
+def policy(inputs: int = 64, width: int = 256, outputs: int = 16) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(inputs, width), nn.ReLU(), nn.Linear(width, width),
+                         nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, outputs))
+
+
+def optimizer_for(params: Any) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW, fused where this torch supports it on CUDA, else foreach."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=1e-4, fused=True), "AdamW fused"
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, lr=1e-4, foreach=True), "AdamW foreach"
+
+
+def _wrap(name: str, model: nn.Module, sample: torch.Tensor
+          ) -> tuple[Callable[[torch.Tensor], Any], Callable[[], str]]:
+    """The forward of ``model`` as method ``name`` runs it, and a note for the table."""
+    if name == "eager":
+        return model, lambda: ""
+    if name == "autograph":
+        fast = autograph.graphed(model)
+
+        def note() -> str:
+            s = autograph.stats(fast)
+            return (f"fwd replays {s['replays']}, bwd replays {s['backward_replays']}, "
+                    f"eager {s['eager']} {dict(s['eager_reasons'])}, "
+                    f"spills {s['backward_spills']}")
+
+        return fast, note
+    if name == "make_graphed_callables":
+        return torch.cuda.make_graphed_callables(model, (sample,)), lambda: ""
+    if name == "torch.compile":
+        compiled = torch.compile(model, mode="reduce-overhead")
+        mark = getattr(torch.compiler, "cudagraph_mark_step_begin", None)
+        if mark is None:
+            return compiled, lambda: ""
+
+        def step(x: torch.Tensor) -> Any:
+            mark()
+            return compiled(x)
+
+        return step, lambda: ""
+    raise ValueError(f"unknown method {name!r}")
+
+
+class Trainer:
+    """One method's model, optimizer and step."""
+
+    def __init__(self, name: str, base: nn.Module, sample: torch.Tensor) -> None:
+        self.model = copy.deepcopy(base)
+        self.forward, self.note = _wrap(name, self.model, sample)
+        self.opt, self.optimizer = optimizer_for(self.model.parameters())
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(self.forward(x), y)
+        loss.backward()
+        self.opt.step()
+        return loss.detach()
+
+
+def bench_batch(batch: int, steps: int, rounds: int, methods: Sequence[str],
+                tolerance: float = 1e-3, progress: Callable[[str], None] = lambda _: None
+                ) -> list[TrainRow]:
+    torch.manual_seed(0)
+    base = policy().cuda()
+    data = [(torch.randn(batch, 64, device="cuda"), torch.randn(batch, 16, device="cuda"))
+            for _ in range(max(steps, CHECK_STEPS))]
+    rows: dict[str, TrainRow] = {}
+    ready: dict[str, Trainer] = {}
+    reference: list[torch.Tensor] = []
+    for name in methods:
+        progress(f"train b{batch}: {name}: set-up and first steps")
+        try:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer = Trainer(name, base, data[0][0].clone())  # mgc keeps its sample
+            losses = [trainer.step(*data[i]) for i in range(FIRST_STEPS)]
+            torch.cuda.synchronize()
+            first = (time.perf_counter() - start) * 1e3
+            losses += [trainer.step(*data[i]) for i in range(FIRST_STEPS, CHECK_STEPS)]
+        except Exception as exc:  # noqa: BLE001 - a method that cannot run is reported
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            rows[name] = TrainRow(batch, name, None, None, None, "",
+                                  f"failed: {type(exc).__name__}: {text}"[:160])
+            continue
+        got = torch.stack(losses)
+        if not reference:
+            reference = [got]
+        diff = float((got - reference[0]).abs().max())
+        rows[name] = TrainRow(batch, name, None, first, diff, trainer.optimizer)
+        if not torch.allclose(got, reference[0], rtol=tolerance, atol=tolerance):
+            rows[name].note = "WRONG: losses differ from eager's; not timed"
+            continue
+        ready[name] = trainer
+    progress(f"train b{batch}: timing {', '.join(ready)}")
+    samples: dict[str, list[float]] = {name: [] for name in ready}
+    for _ in range(rounds):
+        for name, trainer in ready.items():
+            step = trainer.step
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for x, y in data[:steps]:
+                step(x, y)
+            torch.cuda.synchronize()
+            samples[name].append((time.perf_counter() - start) / steps * 1e3)
+    for name, trainer in ready.items():
+        rows[name].ms_per_step = statistics.median(samples[name])
+        rows[name].note = trainer.note()
+    return [rows[name] for name in methods]
+
+
+def bench_train(batches: Sequence[int] = (1, 32), steps: int = 200, rounds: int = 15,
+                methods: Sequence[str] = METHODS,
+                progress: Callable[[str], None] = lambda _: None) -> list[TrainRow]:
+    """Every batch size in a process of its own: with torch.compile's CUDA graphs of an
+    earlier batch size in the process, a later one has hit illegal memory accesses on
+    the H200 (torch 2.11), autograph's graphs and make_graphed_callables' alike."""
+    if len(batches) == 1:
+        return bench_batch(batches[0], steps, rounds, methods, progress=progress)
+    rows: list[TrainRow] = []
+    for b in batches:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, "-m", "autograph.cli.bench_train", "--batch", str(b),
+                   "--steps", str(steps), "--rounds", str(rounds), "--json", path,
+                   "--methods", *methods]
+            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+            if done.returncode or not os.path.exists(path):
+                rows += [TrainRow(b, m, None, None, None, "",
+                                  f"failed: the process exited with {done.returncode}")
+                         for m in methods]
+                continue
+            with open(path, encoding="utf-8") as f:
+                rows += [TrainRow(**r) for r in json.load(f)]
+    return rows
+
+
+def format_train(rows: list[TrainRow]) -> str:
+    head = (f"{'train step':<11} {'method':<24} {'ms/step':>8} {'eager/x':>8} "
+            f"{'x/mgc':>6} {'first ms':>9} {'loss diff':>9}  optimizer, note")
+    lines = [head, "-" * len(head)]
+    for b in dict.fromkeys(r.batch for r in rows):
+        group = [r for r in rows if r.batch == b]
+        times = {r.method: r.ms_per_step for r in group}
+        eager, mgc = times.get("eager"), times.get("make_graphed_callables")
+        for r in group:
+            t = r.ms_per_step
+            ratio = f"{eager / t:.2f}x" if eager and t else "-"
+            vs = f"{t / mgc:.3f}" if mgc and t else "-"
+            lines.append(
+                f"{'b' + str(b):<11} {r.method:<24} {_num(t, 8, 3)} {ratio:>8} {vs:>6} "
+                f"{_num(r.first_ms, 9, 1)} {_num(r.max_loss_diff, 9, 1, 'e')}  "
+                f"{', '.join(x for x in (r.optimizer, r.note) if x)}".rstrip())
+    return "\n".join(lines)
+
+
+def _num(v: float | None, width: int, digits: int, kind: str = "f") -> str:
+    return f"{v:{width}.{digits}{kind}}" if v is not None else f"{'-':>{width}}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autograph.cli.bench_train",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=200, help="steps per timed sample")
+    parser.add_argument("--rounds", type=int, default=15, help="timed samples per method")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("autograph bench: training workload skipped: no CUDA device")
+        return 0
+    methods = ["eager"] + [m for m in args.methods if m != "eager"]
+    rows = bench_train(args.batch, args.steps, args.rounds, methods,
+                       progress=lambda text: print(text, file=sys.stderr, flush=True))
+    print(format_train(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -91,7 +91,7 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _SEEDED is not None and _SEEDED in func.tags:
+        if _SEEDED is not None and _SEEDED in func.tags and _draws(func, args, kwargs):
             self.seeded = True
         known, made = self.known, self.made
         for t in pytree.tree_leaves((args, kwargs)):
@@ -110,7 +110,35 @@ class _Recorder(TorchDispatchMode):
                 self._note(v)
 
 
+_MISSING = object()
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+# arguments that switch a seeded operator's randomness off: a dropout probability of 0
+# (attention's ``dropout_p``, dropout's ``p``) or ``train=False``
+_NO_DRAW = {"dropout_p": 0.0, "p": 0.0, "train": False}
+
+
+def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded operator draws random numbers in this call.  Attention kernels
+    are tagged seeded for their dropout, which inference runs with ``dropout_p=0``."""
+    try:
+        schema = func._schema.arguments
+    except AttributeError:
+        return True
+    for i, arg in enumerate(schema):
+        off = _NO_DRAW.get(arg.name, _MISSING)
+        if off is _MISSING:
+            continue
+        if arg.name in kwargs:
+            value = kwargs[arg.name]
+        elif i < len(args):
+            value = args[i]
+        elif arg.has_default_value():
+            value = arg.default_value
+        else:
+            continue
+        if type(value) in (float, int, bool) and value == off:
+            return False
+    return True
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -8,7 +8,9 @@ are compared within the dtype's tolerance.  A mismatch puts the caller's tensors
 the module state back as they were, reruns the call eagerly for its true result, drops
 the graph and makes its key eager for good, with a WARNING naming the largest
 difference.  Graphs that draw random numbers are not checked (their replays differ
-from eager by design).
+from eager by design; attention kernels run with ``dropout_p=0`` draw none), nor calls
+with object arguments (passed through, not copied: an eager rerun would advance, say, a
+cache's own state a second time).
 """
 
 from __future__ import annotations

@@ -205,6 +205,21 @@ def test_graphed_model_generate_is_graphed():
     assert s["calls"] == 8 and s["replays"] == 4, s
 
 
+def test_generate_with_verify_every_replays_and_stays_exact():
+    """Decode steps take a cache object, which an eager rerun would advance twice: they
+    are replayed but not verified (and a verified attention graph would be, see
+    test_usage); before, every attention graph counted as random and nothing was."""
+    model = _tiny("llama")
+    ids = torch.randint(1, 96, (1, 4))
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0,
+              cache_implementation="static", disable_compile=True)
+    want = model.generate(ids, **kw)
+    g = autograph.graphed(model, verify_every=2)
+    assert torch.equal(g.generate(ids, **kw), want)
+    s = autograph.stats(g)
+    assert s["replays"] > 0 and s["verifications"] == 0 and s["verify_failures"] == 0, s
+
+
 def test_sentence_transformers_encode_with_buckets(monkeypatch):
     pytest.importorskip("sentence_transformers")
     import transformers.masking_utils as masking

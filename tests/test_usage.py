@@ -1050,3 +1050,52 @@ def test_verify_keeps_the_aliasing_of_overlapping_arguments():
             torch.testing.assert_close(buf, ref)
     s = counts(g)
     assert s["verifications"] > 0 and s["verify_failures"] == 0, s
+
+
+
+@needs_verify
+def test_attention_without_dropout_is_verified_and_dropout_is_not():
+    """Attention kernels carry the 'seeded' tag for their dropout: with dropout 0 (eval)
+    a replay is checked; with dropout drawing numbers (train) it is not."""
+    attn = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+    g = autograph.graphed(attn, verify_every=2)
+    with torch.no_grad():
+        attn.eval()
+        for _ in range(CALLS):
+            q = torch.randn(1, 3, 8)
+            torch.testing.assert_close(g(q, q, q, need_weights=False)[0],
+                                       attn(q, q, q, need_weights=False)[0])
+        evaluated = counts(g)
+        assert evaluated["replays"] > 0 and evaluated["verifications"] > 0, evaluated
+        assert evaluated["verify_failures"] == 0
+        attn.train()
+        for _ in range(CALLS):
+            q = torch.randn(1, 3, 8)
+            g(q, q, q, need_weights=False)
+    trained = counts(g)
+    assert trained["replays"] > evaluated["replays"]
+    assert trained["verifications"] == evaluated["verifications"]
+
+
+@needs_verify
+def test_calls_with_object_arguments_are_not_verified():
+    """An eager rerun would advance the object's own state a second time."""
+    class Counter:
+        def __init__(self):
+            self.buf = torch.zeros(8, 2)
+            self.pos = torch.zeros((), dtype=torch.long)
+
+    def step(x, c):
+        c.buf.index_copy_(0, c.pos.view(1), x)
+        c.pos.add_(1)
+        return c.buf.sum(0)
+
+    g = autograph.graphed(step, verify_every=1)
+    mine, ref = Counter(), Counter()
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(1, 2)
+            torch.testing.assert_close(g(x, mine), step(x, ref))
+            torch.testing.assert_close(mine.buf, ref.buf)
+    s = counts(g)
+    assert s["replays"] > 0 and s["verifications"] == 0, s

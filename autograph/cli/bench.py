@@ -28,6 +28,7 @@ import torch
 
 from autograph import graphed, stats
 
+from .cells import num, ratio
 from .models import Decoder, mlp
 from .peers import METHODS, Method, build
 
@@ -248,20 +249,11 @@ def format_table(results: list[Result]) -> str:
         for r in rows:
             t = r.us_per_step
             lines.append(
-                f"{workload:<14} {r.method:<28} {_num(t, '9.1f')} "
-                f"{_ratio(eager, t):>8} {_ratio(t, hand, 3):>7} "
-                f"{_num(t - hand if t is not None and hand else None, '9.1f')} "
-                f"{_num(r.first_calls_ms, '15.1f')}  {r.note}".rstrip())
+                f"{workload:<14} {r.method:<28} {num(t, '9.1f')} "
+                f"{ratio(eager, t):>8} {ratio(t, hand, 3):>7} "
+                f"{num(t - hand if t is not None and hand else None, '9.1f')} "
+                f"{num(r.first_calls_ms, '15.1f')}  {r.note}".rstrip())
     return "\n".join(lines)
-
-
-def _num(value: float | None, spec: str) -> str:
-    width = int(spec.split(".")[0])
-    return f"{value:{spec}}" if value is not None else f"{'-':>{width}}"
-
-
-def _ratio(a: float | None, b: float | None, digits: int = 2) -> str:
-    return f"{a / b:.{digits}f}x" if a and b else "-"
 
 
 def plot(results: list[Result], path: str, title: str) -> None:

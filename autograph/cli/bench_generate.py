@@ -22,6 +22,8 @@ import torch
 
 import autograph
 
+from .cells import ratio
+
 
 @dataclass
 class GenerateRow:
@@ -120,9 +122,9 @@ def format_generate(rows: list[GenerateRow], title: str) -> str:
     eager = rows[0].ms_per_token if rows else None
     for r in rows:
         t = r.ms_per_token
-        ratio = f"{eager / t:.2f}x" if eager and t else "-"
         tokens = "-" if r.tokens_equal is None else ("as eager" if r.tokens_equal else "DIFFER")
-        lines.append(f"{r.method:<34} {t if t is not None else float('nan'):>9.3f} {ratio:>8} "
+        lines.append(f"{r.method:<34} {t if t is not None else float('nan'):>9.3f} "
+                     f"{ratio(eager, t):>8} "
                      f"{r.first_ms if r.first_ms is not None else float('nan'):>18.1f} "
                      f"{tokens:>10}  {r.note}".rstrip())
     return "\n".join(lines)

@@ -33,6 +33,8 @@ from torch import nn
 
 import autograph
 
+from .cells import num, ratio
+
 METHODS = ("eager", "autograph", "make_graphed_callables", "torch.compile")
 FIRST_STEPS = 3  # timed with the set-up
 CHECK_STEPS = 8  # losses compared with eager's (the first steps included)
@@ -200,17 +202,12 @@ def format_train(rows: list[TrainRow]) -> str:
         eager, mgc = times.get("eager"), times.get("make_graphed_callables")
         for r in group:
             t = r.ms_per_step
-            ratio = f"{eager / t:.2f}x" if eager and t else "-"
             vs = f"{t / mgc:.3f}" if mgc and t else "-"
             lines.append(
-                f"{'b' + str(b):<11} {r.method:<24} {_num(t, 8, 3)} {ratio:>8} {vs:>6} "
-                f"{_num(r.first_ms, 9, 1)} {_num(r.max_loss_diff, 9, 1, 'e')}  "
+                f"{'b' + str(b):<11} {r.method:<24} {num(t, '8.3f')} {ratio(eager, t):>8} {vs:>6} "
+                f"{num(r.first_ms, '9.1f')} {num(r.max_loss_diff, '9.1e')}  "
                 f"{', '.join(x for x in (r.optimizer, r.note) if x)}".rstrip())
     return "\n".join(lines)
-
-
-def _num(v: float | None, width: int, digits: int, kind: str = "f") -> str:
-    return f"{v:{width}.{digits}{kind}}" if v is not None else f"{'-':>{width}}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1055,26 +1055,24 @@ def test_verify_keeps_the_aliasing_of_overlapping_arguments():
 
 @needs_verify
 def test_attention_without_dropout_is_verified_and_dropout_is_not():
-    """Attention kernels carry the 'seeded' tag for their dropout: with dropout 0 (eval)
-    a replay is checked; with dropout drawing numbers (train) it is not."""
-    attn = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
-    g = autograph.graphed(attn, verify_every=2)
+    """Attention kernels carry the 'seeded' tag for their dropout: with dropout_p=0 a
+    replay is checked; a call whose dropout draws numbers is not."""
+    def attend(q, k, v):
+        return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
+
+    def dropped(x):
+        return nn.functional.dropout(x, p=0.5, training=True) * 2
+
+    g, h = autograph.graphed(attend, verify_every=2), autograph.graphed(dropped, verify_every=2)
     with torch.no_grad():
-        attn.eval()
         for _ in range(CALLS):
-            q = torch.randn(1, 3, 8)
-            torch.testing.assert_close(g(q, q, q, need_weights=False)[0],
-                                       attn(q, q, q, need_weights=False)[0])
-        evaluated = counts(g)
-        assert evaluated["replays"] > 0 and evaluated["verifications"] > 0, evaluated
-        assert evaluated["verify_failures"] == 0
-        attn.train()
-        for _ in range(CALLS):
-            q = torch.randn(1, 3, 8)
-            g(q, q, q, need_weights=False)
-    trained = counts(g)
-    assert trained["replays"] > evaluated["replays"]
-    assert trained["verifications"] == evaluated["verifications"]
+            q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+            torch.testing.assert_close(g(q, k, v), attend(q, k, v))
+            h(torch.randn(4, 4))
+    checked, unchecked = counts(g), counts(h)
+    assert checked["replays"] > 0 and checked["verifications"] > 0, checked
+    assert checked["verify_failures"] == 0
+    assert unchecked["replays"] > 0 and unchecked["verifications"] == 0, unchecked
 
 
 @needs_verify

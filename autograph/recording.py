@@ -92,7 +92,10 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
                 return engine.eager(*flat.call())  # (a read copy may have been stale)
             lifecycle.hand_back(captured, list(flat.leaves), missed)
             return result
-        nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
+        # what the graph needs of the pool, even where it reuses memory an earlier graph
+        # freed (the pool did not grow), plus its static inputs
+        grown = max(0, backend.memory_reserved(device) - before)
+        nbytes = max(grown, captured.footprint) + captured.static.nbytes()
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start)
 
 def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,

@@ -3,7 +3,9 @@ by ``max_graphs`` and ``max_graph_memory`` (least recently used go first).
 
 An :class:`Entry` is one key: warming up, ready (with the bound replay in ``run``), or
 eager for a reason.  Arguments a key's calls write in place are learned per base key
-(``inplace``) and from then on keyed by address (``GraphKey.written``).
+(``inplace``) and from then on keyed by address (``GraphKey.written``).  So are the
+bucketer's persistent padded buffers (``padslots``) while a padded call passes them
+(:func:`pinned`): captured at their own address, a padded replay copies nothing more.
 """
 
 from __future__ import annotations
@@ -23,6 +25,26 @@ from .vocab import EagerReason, State
 # Past this many entries that hold no graph, the oldest are forgotten: callers whose
 # keys never repeat must not grow the dict without bound.
 IDLE_SLACK = 64
+
+# The padded buffers of the call this thread is making: (the cache, their ids).
+_pins = threading.local()
+
+
+class pinned:  # noqa: N801 - used like a function
+    """While a bucketer passes its persistent padded buffers (``ids``: their ids) to the
+    engine of ``cache``, they are keyed by address and captured in place."""
+
+    __slots__ = ("cache", "ids")
+
+    def __init__(self, cache: GraphCache, ids: frozenset[int]) -> None:
+        self.cache, self.ids = cache, ids
+        cache.pinning = True
+
+    def __enter__(self) -> None:
+        _pins.of = (self.cache, self.ids)
+
+    def __exit__(self, *exc: object) -> None:
+        _pins.of = None
 
 
 class Entry:
@@ -63,14 +85,27 @@ class GraphCache:
         self.inplace: dict[GraphKey, tuple[int, ...]] = {}
         self.uses = 0
         self.lock = threading.Lock()
+        self.pinning = False  # whether padded buffers were ever pinned (see pinned)
 
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
-        """``key`` with the addresses of the arguments this key's calls write in place."""
-        positions = self.inplace.get(key)
+        """``key`` with the addresses of the arguments this key's calls write in place
+        (and of the padded buffers this call passes)."""
+        positions = self.in_place(key, flat)
         if not positions:
             return key
         leaves = flat.leaves
         return key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+
+    def in_place(self, key: GraphKey, flat: Flat) -> tuple[int, ...]:
+        """The argument positions this call captures at their own address: those its
+        key writes in place and the padded buffers it passes (``pinned``)."""
+        positions = self.inplace.get(key.base(), ())
+        pins = getattr(_pins, "of", None) if self.pinning else None
+        if pins is None or pins[0] is not self:
+            return positions
+        ids, leaves = pins[1], flat.leaves
+        mine = [i for i in flat.tensor_pos if id(leaves[i]) in ids]
+        return tuple(sorted({*positions, *mine})) if mine else positions
 
     def entry(self, key: GraphKey) -> Entry:
         """The entry of ``key``, made (and the cache trimmed) if it is new."""

@@ -180,7 +180,7 @@ class Engine:
             raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
         if key.modes[0] and not self.trains and self._autograd_records(flat):
             raise Uncapturable(EagerReason.AUTOGRAD)
-        if self.cache.inplace:
+        if self.cache.inplace or self.cache.pinning:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]
 

@@ -62,7 +62,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             return engine.act(Action.EAGER, key, entry, flat, backend, device)
         start = time.perf_counter()
         before = backend.memory_reserved(device)
-        inplace = engine.cache.inplace.get(key.base(), ())
+        inplace = engine.cache.in_place(key, flat)
         run_capture = (training.capturer(stats) if engine.for_backward(key, flat)
                        else lifecycle.capture)
         try:

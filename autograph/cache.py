@@ -34,14 +34,15 @@ class pinned:  # noqa: N801 - used like a function
     """While a bucketer passes its persistent padded buffers (``ids``: their ids) to the
     engine of ``cache``, they are keyed by address and captured in place."""
 
-    __slots__ = ("cache", "ids")
+    __slots__ = ("of",)
 
     def __init__(self, cache: GraphCache, ids: frozenset[int]) -> None:
-        self.cache, self.ids = cache, ids
+        # (the cache, the ids, the keys made for these buffers: they live as long)
+        self.of = (cache, ids, {})
         cache.pinning = True
 
     def __enter__(self) -> None:
-        _pins.of = (self.cache, self.ids)
+        _pins.of = self.of
 
     def __exit__(self, *exc: object) -> None:
         _pins.of = None
@@ -90,11 +91,19 @@ class GraphCache:
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
         """``key`` with the addresses of the arguments this key's calls write in place
         (and of the padded buffers this call passes)."""
+        pins = getattr(_pins, "of", None) if self.pinning else None
+        if pins is not None and pins[0] is self:  # the buffers' keys, made once per slot
+            known = pins[2].get(key)
+            if known is not None and known[0] is self.inplace.get(key):
+                return known[1]  # type: ignore[no-any-return]
         positions = self.in_place(key, flat)
         if not positions:
             return key
         leaves = flat.leaves
-        return key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+        addressed = key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+        if pins is not None and pins[0] is self and len(pins[2]) < 16:
+            pins[2][key] = (self.inplace.get(key), addressed)
+        return addressed
 
     def in_place(self, key: GraphKey, flat: Flat) -> tuple[int, ...]:
         """The argument positions this call captures at their own address: those its

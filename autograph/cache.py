@@ -92,17 +92,21 @@ class GraphCache:
         """``key`` with the addresses of the arguments this key's calls write in place
         (and of the padded buffers this call passes)."""
         pins = getattr(_pins, "of", None) if self.pinning else None
-        if pins is not None and pins[0] is self:  # the buffers' keys, made once per slot
-            known = pins[2].get(key)
-            if known is not None and known[0] is self.inplace.get(key):
-                return known[1]  # type: ignore[no-any-return]
+        written = self.inplace.get(key)
+        # the key of a padded call whose only arguments in place are the buffers (their
+        # addresses are the slot's, for its life): made once per slot
+        memo = pins[2] if pins is not None and pins[0] is self and not written else None
+        if memo is not None:
+            known = memo.get(key)
+            if known is not None:
+                return known  # type: ignore[no-any-return]
         positions = self.in_place(key, flat)
         if not positions:
             return key
         leaves = flat.leaves
         addressed = key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
-        if pins is not None and pins[0] is self and len(pins[2]) < 16:
-            pins[2][key] = (self.inplace.get(key), addressed)
+        if memo is not None and len(memo) < 16:
+            memo[key] = addressed
         return addressed
 
     def in_place(self, key: GraphKey, flat: Flat) -> tuple[int, ...]:

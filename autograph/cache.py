@@ -53,7 +53,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest",
+        "used", "digest", "repeat", "direct",
     )
 
     def __init__(self) -> None:
@@ -68,6 +68,8 @@ class Entry:
         self.speedup: float | None = None  # eager / replay time, once judged
         self.used = 0  # the cache's use stamp at this entry's last use (for LRU)
         self.digest: int | None = None  # the key's digest for the ranks, once computed
+        self.repeat = False  # its graph may be captured again without warming up
+        self.direct = False  # captured again without warming up (see GraphCache.known)
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""
@@ -87,6 +89,9 @@ class GraphCache:
         self.uses = 0
         self.lock = threading.Lock()
         self.pinning = False  # whether padded buffers were ever pinned (see pinned)
+        # keys whose graphs an invalidation dropped while what warming up learns still
+        # holds (``Watch.moved_only``): their next call captures without warming up
+        self.known: set[GraphKey] = set()
 
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
         """``key`` with the addresses of the arguments this key's calls write in place
@@ -129,6 +134,10 @@ class GraphCache:
             entry = self.entries.get(key)
             if entry is None:
                 entry = self.entries[key] = Entry()
+                if key in self.known:
+                    self.known.discard(key)
+                    entry.runs = self.options.warmup
+                    entry.direct = True
                 self.uses = entry.used = self.uses + 1
                 self.trim()
             return entry
@@ -203,11 +212,16 @@ class GraphCache:
             self.entries[self.address(base, flat)] = entry
             entry.state = State.WARMING
 
-    def clear(self) -> None:
-        """Drop every graph and forget what was learned about the arguments."""
+    def clear(self, keep_known: bool = False) -> None:
+        """Drop every graph and forget what was learned about the arguments; with
+        ``keep_known``, remember it and which keys held a graph that may be captured
+        again without warming up (``known``)."""
         with self.lock:
+            known = {k for k, e in self.entries.items() if e.graph is not None and e.repeat}
             self.drop(list(self.entries))
-            self.inplace.clear()
+            self.known = known if keep_known else set()
+            if not keep_known:
+                self.inplace.clear()
 
     def graph_keys(self) -> list[tuple[GraphKey, tuple[int, ...]]]:
         """The keys that hold a graph, with their in-place positions (for plans)."""

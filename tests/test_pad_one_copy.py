@@ -94,3 +94,22 @@ def test_written_padded_argument_is_handed_back(standin):
             torch.testing.assert_close(x, before * 3)  # the write, handed back
     s = autograph.stats(f)
     assert s["replays"] >= 3 and s["padding"] is None
+
+
+def test_padded_bucket_benchmark_runs_and_reports(standin):
+    """The benchmark's padded-bucket rows on the CPU stand-in (timings mean nothing
+    here; the rows, their checks against eager and the one graph do)."""
+    from autograph.cli.bench_padded import bench_padded, format_padded
+
+    rows = bench_padded(calls=20, rounds=1, device="cpu", width=16)
+    assert [r.method for r in rows] == ["eager", "autograph exact (8 rows)",
+                                        "autograph padded (7 rows)"]
+    assert "graphs 1, padding on" in rows[2].note
+    table = format_padded(rows)
+    assert "-exact us" in table and "+0.0" in table
+
+
+def test_bench_lists_the_reuse_method():
+    from autograph.cli.peers import _BUILDERS, METHODS
+
+    assert "autograph outputs=reuse" in METHODS and "autograph outputs=reuse" in _BUILDERS

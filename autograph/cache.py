@@ -38,7 +38,8 @@ class pinned:  # noqa: N801 - used like a function
 
     def __init__(self, cache: GraphCache, ids: frozenset[int]) -> None:
         # (the cache, the ids, the keys made for these buffers: they live as long)
-        self.of = (cache, ids, {})
+        self.of: tuple[GraphCache, frozenset[int], dict[GraphKey, GraphKey]] = (
+            cache, ids, {})
         cache.pinning = True
 
     def __enter__(self) -> None:

@@ -14,6 +14,7 @@ engine takes the larger of this and the pool's growth.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from typing import Any
@@ -64,9 +65,9 @@ class _Footprint(TorchDispatchMode):
             self.peak = max(self.peak, self.live)
         self._count[key] = count + 1
         ident = id(t)
-        self._refs[ident] = weakref.ref(t, lambda _, i=ident, k=key: self._gone(i, k))
+        self._refs[ident] = weakref.ref(t, functools.partial(self._gone, ident, key))
 
-    def _gone(self, ident: int, key: int) -> None:
+    def _gone(self, ident: int, key: int, _ref: Any = None) -> None:
         self._refs.pop(ident, None)
         count = self._count.get(key, 0) - 1
         if count > 0:

@@ -38,8 +38,7 @@ class pinned:  # noqa: N801 - used like a function
 
     def __init__(self, cache: GraphCache, ids: frozenset[int]) -> None:
         # (the cache, the ids, the keys made for these buffers: they live as long)
-        self.of: tuple[GraphCache, frozenset[int], dict[GraphKey, GraphKey]] = (
-            cache, ids, {})
+        self.of: tuple[GraphCache, frozenset[int], dict[GraphKey, Any]] = (cache, ids, {})
         cache.pinning = True
 
     def __enter__(self) -> None:
@@ -98,21 +97,21 @@ class GraphCache:
         """``key`` with the addresses of the arguments this key's calls write in place
         (and of the padded buffers this call passes)."""
         pins = getattr(_pins, "of", None) if self.pinning else None
+        memo = pins[2] if pins is not None and pins[0] is self else None
         written = self.inplace.get(key)
-        # the key of a padded call whose only arguments in place are the buffers (their
-        # addresses are the slot's, for its life): made once per slot
-        memo = pins[2] if pins is not None and pins[0] is self and not written else None
-        if memo is not None:
-            known = memo.get(key)
-            if known is not None:
-                return known  # type: ignore[no-any-return]
-        positions = self.in_place(key, flat)
+        known = memo.get(key) if memo is not None else None
+        if known is not None and known[0] is written:
+            if not written:  # only the buffers, whose addresses are the slot's: made once
+                return known[1]  # type: ignore[no-any-return]
+            positions = known[2]
+        else:
+            positions = self.in_place(key, flat)
         if not positions:
             return key
         leaves = flat.leaves
         addressed = key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
-        if memo is not None and len(memo) < 16:
-            memo[key] = addressed
+        if memo is not None and len(memo) < 16:  # per slot: its keys, by what is written
+            memo[key] = (written, addressed, positions)
         return addressed
 
     def in_place(self, key: GraphKey, flat: Flat) -> tuple[int, ...]:

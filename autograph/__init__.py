@@ -159,7 +159,9 @@ def graphed(
         warmup: eager runs of a new key before its capture (default 2, at least 0).
         max_graphs: graphs kept per callable; past it the least recently used are
             freed (default 32).
-        max_graph_memory: bytes of graph memory (measured at capture) kept per callable;
+        max_graph_memory: bytes of graph memory kept per callable, each graph counted at
+            what it needs of the pool (measured at capture, even where it reuses memory
+            that earlier graphs freed);
             the least recently used graphs are freed to stay under it, and a graph that
             alone needs more runs eagerly.  None (default): no bound.
         buckets: batch sizes to capture, e.g. ``[1, 2, 4, 8, 16]``.  A call whose batch

@@ -124,13 +124,14 @@ class Bucketer:
             if not self._padding_is_safe(args, kwargs, batch, size, learned):
                 return self.engine.dispatch(args, kwargs)
         eager_before = self.stats.eager
-        if size == real:
-            out = self.engine.dispatch(args, kwargs)
-        elif not torch.is_grad_enabled() and self.slots.lock.acquire(blocking=False):
+        # a call of the bucket's size too goes through the buffers: one graph per bucket
+        if not torch.is_grad_enabled() and self.slots.lock.acquire(blocking=False):
             try:
                 out = self._padded(args, kwargs, batch, size, real, learned)
             finally:
                 self.slots.lock.release()
+        elif size == real:
+            out = self.engine.dispatch(args, kwargs)
         else:  # another call (a thread, a nested call) is using the buffers, or grad mode
             # is on (autograd may keep the padded inputs for a backward): new tensors
             padded = padded_call(args, kwargs, batch, size, self._fills(batch))
@@ -141,7 +142,10 @@ class Bucketer:
     def _padded(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
                 size: int, real: int, learned: Learned) -> Any:
         """The call on the bucket's persistent padded buffers (holding ``slots.lock``)."""
-        slot = self.slots.slot(batch, size, real, self._fills)
+        slot = self.slots.slot(batch, size, real, self._fills, self.engine.cache)
+        exact = size == real
+        if exact and not slot.same:  # an output viewing it could not be mapped back
+            return self.engine.dispatch(args, kwargs)
         buffers = padslots.fill(slot, batch)
         new_args, new_kwargs = list(args), dict(kwargs)
         for (key, _, _), buf in zip(batch, buffers):
@@ -149,12 +153,15 @@ class Bucketer:
                 new_args[key] = buf
             else:
                 new_kwargs[key] = buf
-        out = self.engine.dispatch(tuple(new_args), new_kwargs)
+        with slot.pinned:  # captured at their own address: no second copy at replay
+            out = self.engine.dispatch(tuple(new_args), new_kwargs)
         if learned.written:
             canonical = self.args.canonical
             written = [i for i, (k, _, _) in enumerate(batch) if canonical(k) in learned.written]
             if written:
                 padslots.hand_back(slot, batch, written)
+        if exact:  # outputs viewing a buffer: the same views of the caller's tensors
+            return padslots.rebased(out, slot, batch)
         return padslots.unshared(slice_back(out, size, real, slot.out_dim), slot.ptrs)
 
     def _fills(self, batch: Batch) -> list[Any]:

@@ -3,7 +3,9 @@ by ``max_graphs`` and ``max_graph_memory`` (least recently used go first).
 
 An :class:`Entry` is one key: warming up, ready (with the bound replay in ``run``), or
 eager for a reason.  Arguments a key's calls write in place are learned per base key
-(``inplace``) and from then on keyed by address (``GraphKey.written``).
+(``inplace``) and from then on keyed by address (``GraphKey.written``).  So are the
+bucketer's persistent padded buffers (``padslots``) while a padded call passes them
+(:func:`pinned`): captured at their own address, a padded replay copies nothing more.
 """
 
 from __future__ import annotations
@@ -24,13 +26,34 @@ from .vocab import EagerReason, State
 # keys never repeat must not grow the dict without bound.
 IDLE_SLACK = 64
 
+# The padded buffers of the call this thread is making: (the cache, their ids).
+_pins = threading.local()
+
+
+class pinned:  # noqa: N801 - used like a function
+    """While a bucketer passes its persistent padded buffers (``ids``: their ids) to the
+    engine of ``cache``, they are keyed by address and captured in place."""
+
+    __slots__ = ("of",)
+
+    def __init__(self, cache: GraphCache, ids: frozenset[int]) -> None:
+        # (the cache, the ids, the keys made for these buffers: they live as long)
+        self.of: tuple[GraphCache, frozenset[int], dict[GraphKey, Any]] = (cache, ids, {})
+        cache.pinning = True
+
+    def __enter__(self) -> None:
+        _pins.of = self.of
+
+    def __exit__(self, *exc: object) -> None:
+        _pins.of = None
+
 
 class Entry:
     """One key of one callable."""
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest",
+        "used", "digest", "repeat", "direct",
     )
 
     def __init__(self) -> None:
@@ -45,6 +68,8 @@ class Entry:
         self.speedup: float | None = None  # eager / replay time, once judged
         self.used = 0  # the cache's use stamp at this entry's last use (for LRU)
         self.digest: int | None = None  # the key's digest for the ranks, once computed
+        self.repeat = False  # its graph may be captured again without warming up
+        self.direct = False  # captured again without warming up (see GraphCache.known)
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""
@@ -63,14 +88,42 @@ class GraphCache:
         self.inplace: dict[GraphKey, tuple[int, ...]] = {}
         self.uses = 0
         self.lock = threading.Lock()
+        self.pinning = False  # whether padded buffers were ever pinned (see pinned)
+        # keys whose graphs an invalidation dropped while what warming up learns still
+        # holds (``Watch.moved_only``): their next call captures without warming up
+        self.known: set[GraphKey] = set()
 
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
-        """``key`` with the addresses of the arguments this key's calls write in place."""
-        positions = self.inplace.get(key)
+        """``key`` with the addresses of the arguments this key's calls write in place
+        (and of the padded buffers this call passes)."""
+        pins = getattr(_pins, "of", None) if self.pinning else None
+        memo = pins[2] if pins is not None and pins[0] is self else None
+        written = self.inplace.get(key)
+        known = memo.get(key) if memo is not None else None
+        if known is not None and known[0] is written:
+            if not written:  # only the buffers, whose addresses are the slot's: made once
+                return known[1]  # type: ignore[no-any-return]
+            positions = known[2]
+        else:
+            positions = self.in_place(key, flat)
         if not positions:
             return key
         leaves = flat.leaves
-        return key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+        addressed = key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+        if memo is not None and len(memo) < 16:  # per slot: its keys, by what is written
+            memo[key] = (written, addressed, positions)
+        return addressed
+
+    def in_place(self, key: GraphKey, flat: Flat) -> tuple[int, ...]:
+        """The argument positions this call captures at their own address: those its
+        key writes in place and the padded buffers it passes (``pinned``)."""
+        positions = self.inplace.get(key.base(), ())
+        pins = getattr(_pins, "of", None) if self.pinning else None
+        if pins is None or pins[0] is not self:
+            return positions
+        ids, leaves = pins[1], flat.leaves
+        mine = [i for i in flat.tensor_pos if id(leaves[i]) in ids]
+        return tuple(sorted({*positions, *mine})) if mine else positions
 
     def entry(self, key: GraphKey) -> Entry:
         """The entry of ``key``, made (and the cache trimmed) if it is new."""
@@ -81,6 +134,10 @@ class GraphCache:
             entry = self.entries.get(key)
             if entry is None:
                 entry = self.entries[key] = Entry()
+                if key in self.known:
+                    self.known.discard(key)
+                    entry.runs = self.options.warmup
+                    entry.direct = True
                 self.uses = entry.used = self.uses + 1
                 self.trim()
             return entry
@@ -155,11 +212,16 @@ class GraphCache:
             self.entries[self.address(base, flat)] = entry
             entry.state = State.WARMING
 
-    def clear(self) -> None:
-        """Drop every graph and forget what was learned about the arguments."""
+    def clear(self, keep_known: bool = False) -> None:
+        """Drop every graph and forget what was learned about the arguments; with
+        ``keep_known``, remember it and which keys held a graph that may be captured
+        again without warming up (``known``)."""
         with self.lock:
+            known = {k for k, e in self.entries.items() if e.graph is not None and e.repeat}
             self.drop(list(self.entries))
-            self.inplace.clear()
+            self.known = known if keep_known else set()
+            if not keep_known:
+                self.inplace.clear()
 
     def graph_keys(self) -> list[tuple[GraphKey, tuple[int, ...]]]:
         """The keys that hold a graph, with their in-place positions (for plans)."""

@@ -180,7 +180,7 @@ class Engine:
             raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
         if key.modes[0] and not self.trains and self._autograd_records(flat):
             raise Uncapturable(EagerReason.AUTOGRAD)
-        if self.cache.inplace:
+        if self.cache.inplace or self.cache.pinning:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]
 
@@ -229,10 +229,10 @@ class Engine:
         with running(self.watch), self.profiler_range("eager"):
             return self.fn(*args, **kwargs)
 
-    def reset(self) -> None:
+    def reset(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments (and try
-        graphs again if this callable had stopped trying)."""
-        self.cache.clear()
+        graphs again if this callable had stopped trying); ``cache.clear``."""
+        self.cache.clear(keep_known)
         self.watch.stale = True
         self.given_up = None
         self.failures = self._fresh = 0
@@ -241,7 +241,7 @@ class Engine:
         self.stats.invalidations += 1
         logger.debug("%s: module state changed, dropping %d graphs", self.stats.name,
                      self.stats.graphs)
-        self.reset()
+        self.reset(keep_known=self.watch.moved_only())  # same behaviour: no new warmup
         self.watch.refresh()
 
     # -- replay ------------------------------------------------------------------------

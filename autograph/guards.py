@@ -63,6 +63,9 @@ class Watch:
         self._hooks_of_roots = hooks_of_roots
         self.stale = True
         self.dirty = False
+        # an assignment since the last refresh other than a parameter or buffer replaced
+        # by a tensor of its shape and dtype (see ``moved_only``)
+        self.altered = False
         self.assigned: str | None = None
         self.hook_reason: str | None = None
         self._holders: list[Any] = []
@@ -106,7 +109,7 @@ class Watch:
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None
         self._hidden = []
-        self.dirty = False
+        self.dirty = self.altered = False
         self.stale = False
 
     def _current_ptrs(self) -> list[int]:
@@ -130,11 +133,28 @@ class Watch:
         for get, value in self._refs:
             if not same(get(), value):
                 return False
+        return self._hidden_same()
+
+    def _hidden_same(self) -> bool:
         for ref, ptr, version in self._hidden:
             t = ref()
             if t is None or t.data_ptr() != ptr or (version is not None and t._version != version):
                 return False
         return True
+
+    def moved_only(self) -> bool:
+        """After a failed check: whether only parameters or buffers changed, by address
+        (``model.half()``, ``.data =``, ``.to()``) or replaced by tensors of their shape and
+        dtype (``load_state_dict(assign=True)``), and nothing a forward could decide on
+        (an attribute, a submodule, a named global, a hidden tensor read)."""
+        if self.stale or self.altered:
+            return False
+        try:
+            if any(not same(get(), value) for get, value in self._refs):
+                return False
+        except Exception:  # noqa: BLE001 - a global gone: be conservative
+            return False
+        return self._hidden_same()
 
     def requires_grad(self) -> bool:
         """Whether a watched parameter or buffer requires grad (the one found last time
@@ -217,7 +237,7 @@ class Watch:
             flags = self._training = tuple(m.training for m in modules if m is not None)
         return flags
 
-    def _on_assign(self, module: nn.Module, name: str) -> None:
+    def _on_assign(self, module: nn.Module, name: str, swap: bool = False) -> None:
         if name == "training":
             self._training = None  # read again at the next call: it is in the key
             return
@@ -225,6 +245,7 @@ class Watch:
             self.assigned = f"{type(module).__name__}.{name}"
         else:
             self.dirty = True
+            self.altered = self.altered or not swap
 
 
 class running:
@@ -274,11 +295,25 @@ def _changes(module: nn.Module, name: str, value: Any) -> bool:
     return not same(value, old)
 
 
-def _notify(module: nn.Module, name: str) -> None:
+def _swap(module: nn.Module, name: str, value: Any) -> bool:
+    """Whether assigning ``value`` replaces a parameter or buffer by a tensor of the same
+    shape and dtype (as ``load_state_dict(assign=True)`` does)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    d = module.__dict__
+    for holder in ("_parameters", "_buffers"):
+        old = d.get(holder, {}).get(name)
+        if old is not None:
+            return bool(old.shape == value.shape and old.dtype == value.dtype)
+    return False
+
+
+def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
     ws = _watched.get(id(module))
     if ws:
+        swap = value is not _MISSING and _swap(module, name, value)
         for watch in list(ws):
-            watch._on_assign(module, name)
+            watch._on_assign(module, name, swap)
 
 
 def _install() -> None:
@@ -294,7 +329,7 @@ def _install() -> None:
 
         def __setattr__(self: nn.Module, name: str, value: Any) -> None:
             if id(self) in _watched and _changes(self, name, value):
-                _notify(self, name)
+                _notify(self, name, value)
             original_set(self, name, value)
 
         def __delattr__(self: nn.Module, name: str) -> None:
@@ -312,7 +347,7 @@ def _install() -> None:
         def registered(module: nn.Module, name: str, value: Any) -> None:
             # ``self.n += 1`` on a buffer registers the very tensor again: no change
             if id(module) in _watched and _changes(module, name, value):
-                _notify(module, name)
+                _notify(module, name, value)
 
         for hook in ("parameter", "buffer", "module"):
             register = getattr(mm, f"register_module_{hook}_registration_hook", None)

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 from .buffers import StaticInputs, output_builder
 from .capture import Backend
 from .flat import Flat
+from .footprint import Footprint
 from .guards import Watch, running
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Captured, use_count
@@ -151,12 +152,13 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     for n, t in enumerate(state):  # parameters and buffers as negative positions
         if t.numel():
             watched.setdefault(storage_ptr(t), []).append(-1 - n)
-    recorder = WriteRecorder(watched, _known(flat, watch) | {storage_ptr(b) for b in
-                                                              static.buffers if b.numel()})
+    known = _known(flat, watch) | {storage_ptr(b) for b in static.buffers if b.numel()}
+    recorder = WriteRecorder(watched, known)
+    footprint = Footprint(known, device)  # what the graph needs of the pool
     watch.assigned = None
     host = _host_random_state(device)
     def recorded() -> Any:  # the recorder innermost: it sees the very tensors written
-        with recorder:
+        with footprint, recorder:
             return fn(*args, **kwargs)
 
     with nested_block(), running(watch), _no_autocast_cache():
@@ -164,6 +166,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
             graph, out = backend.capture(device, recorded)
         except CAPTURE_ERRORS as exc:
             raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
+        finally:
+            needs = footprint.close()
     _check(watch, None, host, device)
     _check_objects(flat)
     written = {i for i in recorder.written if i >= 0}
@@ -172,8 +176,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
     build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
-    return Captured(graph, static, build, backend, device, recorder.seeded,
-                    list(recorder.hidden.values()), state_written, inplace, reuse)
+    captured = Captured(graph, static, build, backend, device, recorder.seeded,
+                        list(recorder.hidden.values()), state_written, inplace, reuse)
+    captured.footprint = needs
+    return captured
 
 
 def hand_back(captured: Captured, leaves: list[Any], missed: list[int]) -> None:

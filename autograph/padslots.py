@@ -5,7 +5,10 @@ in and fill the padded rows, every call.  Here each bucket keeps, per layout of 
 batch arguments, one buffer per argument at the bucket's size, allocated once (in the
 argument's dimension order, as ``padding.empty_in_layout`` makes it).  A call copies
 its real rows in, with one batched copy into views made once per real size, and passes
-the buffers on; nothing else is allocated.
+the buffers on; nothing else is allocated.  The engine captures the buffers at their own
+address (``cache.pinned``), as it does arguments written in place, so that copy is the
+only one a padded replay makes (a call of the bucket's own size goes through the
+buffers too, and replays the same graph).
 
 The padded rows hold the pad value on every call: they are filled when the buffer is
 made, and filled again only where a larger batch left real rows behind (each buffer
@@ -26,6 +29,7 @@ for it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,10 +37,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .cache import GraphCache, pinned
 from .capture import _current_stream, _stream_of
 from .padding import Batch, empty_in_layout, out_dim
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
+_NO_PIN = contextlib.nullcontext()
 
 # layouts and real sizes kept per bucketer, past which the oldest sets are dropped
 MAX_SLOTS = 128
@@ -45,7 +51,7 @@ MAX_SLOTS = 128
 class Buffers:
     """The padded buffers of one bucket for one layout of the batch arguments."""
 
-    __slots__ = ("tensors", "dims", "fills", "clean", "stream", "ptrs")
+    __slots__ = ("tensors", "dims", "fills", "clean", "stream", "ptrs", "ids")
 
     def __init__(self, batch: Batch, size: int, fills: list[Any]) -> None:
         self.tensors: list[torch.Tensor] = []
@@ -60,6 +66,7 @@ class Buffers:
         self.clean = 0  # rows from here on hold the pad value
         self.stream: Any = None  # (CUDA) the stream of the last call
         self.ptrs = frozenset(b.untyped_storage().data_ptr() for b in self.tensors)
+        self.ids = frozenset(id(b) for b in self.tensors)  # for ``cache.pinned``
 
     def refill(self, real: int) -> None:
         """Fill rows ``real`` on with the pad value (real rows of a larger batch were
@@ -73,14 +80,21 @@ class Buffers:
 class Slot:
     """Buffers seen through one real size: the views the real rows are copied into."""
 
-    __slots__ = ("buffers", "views", "real", "out_dim", "ptrs")
+    __slots__ = ("buffers", "views", "real", "out_dim", "ptrs", "ids", "pinned", "same")
 
-    def __init__(self, buffers: Buffers, real: int, out_dim: int) -> None:
+    def __init__(self, buffers: Buffers, real: int, batch: Batch,
+                 cache: GraphCache | None = None) -> None:
         self.buffers = buffers
         self.real = real
         self.views = [b.narrow(d, 0, real) for b, d in zip(buffers.tensors, buffers.dims)]
-        self.out_dim = out_dim  # the dimension outputs are sliced back along
+        self.out_dim = out_dim(batch)  # the dimension outputs are sliced back along
         self.ptrs = buffers.ptrs
+        self.ids = buffers.ids
+        # whether each real-rows view has its argument's strides (the layout of a slot
+        # holds them): then an output viewing a buffer maps back onto the caller's tensor
+        self.same = all(v.stride() == t.stride() for v, (_, t, _) in zip(self.views, batch))
+        # while the call runs, the engine captures the buffers at their own address
+        self.pinned: Any = pinned(cache, buffers.ids) if cache is not None else _NO_PIN
 
 
 class PadSlots:
@@ -92,9 +106,9 @@ class PadSlots:
         self._buffers: dict[Any, Buffers] = {}
 
     def slot(self, batch: Batch, size: int, real: int,
-             fills: Callable[[Batch], list[Any]]) -> Slot:
+             fills: Callable[[Batch], list[Any]], cache: GraphCache | None = None) -> Slot:
         """The slot of this call's layout, made on first use with the pad values
-        ``fills(batch)`` returns.  Holding ``lock``."""
+        ``fills(batch)`` returns (its buffers pinned in ``cache``).  Holding ``lock``."""
         layout = tuple([(k, d, t.shape, t.stride(), t.dtype, t.device) for k, t, d in batch])
         # buffers made in inference mode are inference tensors: written only in it
         size_mode = (size, torch.is_inference_mode_enabled())
@@ -108,7 +122,7 @@ class PadSlots:
             buffers = self._buffers.get((size_mode, shape))
             if buffers is None:
                 buffers = self._buffers[(size_mode, shape)] = Buffers(batch, size, fills(batch))
-            slot = self._slots[(size_mode, layout)] = Slot(buffers, real, out_dim(batch))
+            slot = self._slots[(size_mode, layout)] = Slot(buffers, real, batch, cache)
         return slot
 
     def clear(self) -> None:
@@ -162,6 +176,30 @@ def unshared(out: Any, ptrs: frozenset[int]) -> Any:
         return x
 
     return pytree.tree_map(own, out)
+
+
+def rebased(out: Any, slot: Slot, batch: Batch) -> Any:
+    """``out`` of a call of the bucket's own size, with every tensor that views a buffer
+    made the same view of the caller's tensor (as eager returns it; ``slot.same``)."""
+    ptrs = slot.ptrs
+    if type(out) is torch.Tensor and out.untyped_storage().data_ptr() not in ptrs:
+        return out
+    index = {b.untyped_storage().data_ptr(): i for i, b in enumerate(slot.buffers.tensors)}
+
+    def back(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        i = index.get(x.untyped_storage().data_ptr())
+        if i is None:
+            return x
+        buf, arg = slot.buffers.tensors[i], batch[i][1]
+        if x.shape == arg.shape and x.stride() == arg.stride() and \
+                x.storage_offset() == buf.storage_offset():
+            return arg
+        offset = arg.storage_offset() + x.storage_offset() - buf.storage_offset()
+        return arg.as_strided(x.shape, x.stride(), offset)
+
+    return pytree.tree_map(back, out)
 
 
 def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:

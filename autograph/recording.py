@@ -62,7 +62,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             return engine.act(Action.EAGER, key, entry, flat, backend, device)
         start = time.perf_counter()
         before = backend.memory_reserved(device)
-        inplace = engine.cache.inplace.get(key.base(), ())
+        inplace = engine.cache.in_place(key, flat)
         run_capture = (training.capturer(stats) if engine.for_backward(key, flat)
                        else lifecycle.capture)
         try:
@@ -74,6 +74,9 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             stats.count_eager(EagerReason.IN_PLACE, warn=False)
             return engine.eager(*flat.call())
         except Uncapturable as exc:
+            if entry.direct and exc.reason is EagerReason.CAPTURE_FAILED:
+                entry.direct, entry.runs = False, 0  # captured without warming up:
+                return warm(engine, key, entry, flat, backend, device)  # warm up first
             return _capture_failed(engine, entry, flat, exc)
         except BaseException as exc:  # the user's own error: it propagates, once
             stats.count_eager(EagerReason.CAPTURE_FAILED,
@@ -92,7 +95,13 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
                 return engine.eager(*flat.call())  # (a read copy may have been stale)
             lifecycle.hand_back(captured, list(flat.leaves), missed)
             return result
-        nbytes = max(0, backend.memory_reserved(device) - before) + captured.static.nbytes()
+        # what the graph needs of the pool, even where it reuses memory an earlier graph
+        # freed (the pool did not grow), plus its static inputs
+        grown = max(0, backend.memory_reserved(device) - before)
+        nbytes = max(grown, captured.footprint) + captured.static.nbytes()
+        # after an invalidation that keeps its behaviour, capture it again at once
+        entry.repeat = not flat.objects and engine.options.min_speedup is None and \
+            not engine.for_backward(key, flat)
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start)
 
 def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,

@@ -26,7 +26,7 @@ class Captured:
     """A captured graph with everything its replay needs."""
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
-                 "state_written", "inplace", "reuse", "_holders")
+                 "state_written", "inplace", "reuse", "_holders", "footprint")
     held_reason: Any = None  # why the runner returned HELD, when not outputs="reuse"
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
@@ -45,6 +45,7 @@ class Captured:
         self.inplace = inplace  # argument positions captured at the caller's address
         self.reuse = reuse  # outputs handed out without a copy (outputs="reuse")
         self._holders: tuple[tuple[int, int], ...] | None = None
+        self.footprint = 0  # peak bytes of the tensors the capture made (footprint.py)
 
     def holders(self) -> tuple[tuple[int, int], ...]:
         """(storage handle, use count with no output handed out) per pool storage that
@@ -98,6 +99,17 @@ class Captured:
                     return clone()
 
             return run_one
+        if single is not None and not static.positions:
+            # every argument at its own address (a padded call's buffers): no copy in
+            clone_only = single.clone
+
+            def run_none(leaves: Any) -> Any:
+                with lock:
+                    order(device, pool)
+                    replay()
+                    return clone_only()
+
+            return run_none
         copy_in = static.copy_in
 
         def run(leaves: Any) -> Any:

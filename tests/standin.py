@@ -133,6 +133,10 @@ class StandinBackend:
         self._local = threading.local()
         self._pool = Pool()
         self.reserved = 0
+        # With share_pool, captures reuse the pool as CUDA graphs of one pool do: the
+        # pool grows only past the largest capture so far (a smaller one reads 0).
+        self.share_pool = False
+        self._pool_size = 0
         self.captures = 0
         self.fail_next: BaseException | None = None
         self.replay_delay = 0.0  # seconds each replay sleeps (to test min_speedup)
@@ -168,7 +172,11 @@ class StandinBackend:
         finally:
             self._local.capturing = False
         self.captures += 1
-        self.reserved += recorder.nbytes
+        if self.share_pool:
+            self.reserved += max(0, recorder.nbytes - self._pool_size)
+            self._pool_size = max(self._pool_size, recorder.nbytes)
+        else:
+            self.reserved += recorder.nbytes
         return RecordedGraph(recorder.ops, self.replay_delay), out
 
     def memory_reserved(self, device: torch.device) -> int:

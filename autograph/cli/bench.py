@@ -3,9 +3,12 @@
 
 Workloads: a GPT-2-small-shaped decode step (static KV cache of 1024 positions written
 in place) at each ``--batch``, a tiny 4-layer 256-wide MLP at batch 1 that shows the
-per-call overhead, a variable-batch run (buckets against one graph per size), and,
+per-call overhead, a variable-batch run (buckets against one graph per size), a
+padded-bucket run (a call padded to its bucket against one of the bucket's size,
+``bench_padded``), and,
 where transformers is installed, ``generate()`` with a static cache (``bench_generate``).
-The decode step also runs under ``verify_every=1000`` (the cost of verified replays).
+The decode step also runs under ``verify_every=1000`` (the cost of verified replays) and
+with ``outputs="reuse"`` (no clone of the output).
 Every method gets the same inputs; its first three calls are timed together with its
 setup (warmup and capture, or compilation), its outputs are checked against eager, and
 the steady state is timed in rounds interleaved across methods (median microseconds per
@@ -323,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                         metavar="METHOD", help=f"methods to run (default: all of {METHODS})")
     parser.add_argument("--no-variable", dest="variable", action="store_false",
-                        help="skip the variable-batch run")
+                        help="skip the variable-batch and padded-bucket runs")
     parser.add_argument("--no-generate", dest="generate", action="store_false",
                         help="skip the transformers generate() workload (it runs only where "
                         "transformers is installed; the compiled path takes about 15 s)")
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, {"cuda": False, "reason": NO_CUDA, "environment": env,
                                    "options": vars(args), "results": [], "variable": [],
-                                   "train": []})
+                                   "train": [], "padded": []})
         if args.plot:
             print("autograph bench: --plot: nothing measured, nothing drawn", file=sys.stderr)
         return 0
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         progress("variable batch: eager, buckets, one graph per size")
         variable = bench_variable(rounds=args.rounds)
         say(format_variable(variable))
+    padded = _padded(args, progress, say)
     train: list[Any] = []
     if args.train:
         from . import bench_train
@@ -381,11 +385,25 @@ def main(argv: list[str] | None = None) -> int:
                                "results": [asdict(r) for r in results],
                                "variable": [asdict(r) for r in variable],
                                "train": [asdict(r) for r in train],
+                               "padded": [asdict(r) for r in padded],
                                "generate": [asdict(r) for r in generate]})
     if args.plot:
         plot(results, args.plot, f"autograph bench, {env['date']}: {env['gpu_name']} "
              f"({env['gpu_arch']}), torch {env['torch']}, CUDA {env['cuda_runtime']}")
     return 0
+
+
+def _padded(args: argparse.Namespace, progress: Progress, say: Callable[..., None]
+            ) -> list[Any]:
+    """The padded-bucket rows (``bench_padded``), with the variable-batch run."""
+    if not args.variable:
+        return []
+    from .bench_padded import bench_padded, format_padded
+
+    progress("padded bucket: exact-size replay, padded call, hand-written graph")
+    rows = bench_padded(calls=args.iters * 5, rounds=args.rounds)
+    say(format_padded(rows))
+    return rows
 
 
 def _generate(progress: Progress, say: Callable[..., None]) -> list[Any]:

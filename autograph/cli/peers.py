@@ -18,8 +18,8 @@ import torch
 
 from autograph import graphed, stats
 
-METHODS = ("eager", "hand-graph", "autograph", "autograph verify_every=1000", "torch.compile",
-           "make_graphed_callables")
+METHODS = ("eager", "hand-graph", "autograph", "autograph outputs=reuse",
+           "autograph verify_every=1000", "torch.compile", "make_graphed_callables")
 VERIFY_EVERY = 1000
 
 
@@ -51,6 +51,8 @@ def _autograph(model: Any, inputs: list[torch.Tensor],
         s = stats(fast)
         parts = [f"{s['verifications']} verified replays, {s['verify_failures']} failed"
                  ] if options.get("verify_every") else []
+        if options.get("outputs") == "reuse":
+            parts.append(f"{s['outputs_protected']} calls protected a held output")
         if s["eager"] > 2:
             parts.append(f"{s['eager']} eager calls: {dict(s['eager_reasons'])}")
         return "; ".join(parts)
@@ -62,6 +64,14 @@ def _verified(model: Any, inputs: list[torch.Tensor], persistent: list[torch.Ten
     """autograph with every 1000th replay also run eagerly on copies and compared."""
     method = _autograph(model, inputs, persistent, verify_every=VERIFY_EVERY)
     method.name = f"autograph verify_every={VERIFY_EVERY}"
+    return method
+
+
+def _reuse(model: Any, inputs: list[torch.Tensor], persistent: list[torch.Tensor]) -> Method:
+    """autograph handing out the graph's own output tensors (no clone); a call made while
+    an earlier output is still held runs eagerly instead (counted in the note)."""
+    method = _autograph(model, inputs, persistent, outputs="reuse")
+    method.name = "autograph outputs=reuse"
     return method
 
 
@@ -132,6 +142,7 @@ _BUILDERS: dict[str, Callable[[Any, list[torch.Tensor], list[torch.Tensor]], Met
     "eager": _eager,
     "hand-graph": _hand,
     "autograph": _autograph,
+    "autograph outputs=reuse": _reuse,
     "autograph verify_every=1000": _verified,
     "torch.compile": _compiled,
     "make_graphed_callables": _make_graphed,

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import counters
 from .buffers import StaticInputs, output_builder
 from .capture import Backend
 from .flat import Flat
@@ -84,12 +85,15 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             backend.synchronize(device)
         seconds = time.perf_counter() - start
     backend.after_warmup(device, out)
+    hosts = counters.hold(flat)
+    hosts.rewind()  # their advance is no structural change (counters.py)
     try:
         _check(watch, out, host, device)
         _check_objects(flat)
         problem = None
     except Uncapturable as exc:
         problem = exc
+    hosts.settle()
     return Warmed(out, recorder.written if recorder else set(),
                   list(recorder.hidden.values()) if recorder else [], seconds, problem)
 
@@ -151,8 +155,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     for n, t in enumerate(state):  # parameters and buffers as negative positions
         if t.numel():
             watched.setdefault(storage_ptr(t), []).append(-1 - n)
-    recorder = WriteRecorder(watched, _known(flat, watch) | {storage_ptr(b) for b in
-                                                              static.buffers if b.numel()})
+    hosts = counters.hold(flat)  # host counters: learned, put back, advanced by replays
+    known = _known(flat, watch) | hosts.prepare(device)
+    recorder = WriteRecorder(watched, known | {storage_ptr(b) for b in static.buffers
+                                               if b.numel()})
     watch.assigned = None
     host = _host_random_state(device)
     def recorded() -> Any:  # the recorder innermost: it sees the very tensors written
@@ -161,19 +167,30 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 
     with nested_block(), running(watch), _no_autocast_cache():
         try:
+            hosts.stand_in()
             graph, out = backend.capture(device, recorded)
         except CAPTURE_ERRORS as exc:
             raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
+        except TypeError as exc:
+            if "HostCounter" not in str(exc):
+                raise
+            raise Uncapturable(EagerReason.ASSIGNS, f"a host counter of an argument object "
+                               f"reached {_first_line(exc)}") from exc
+        finally:
+            hosts.rewind()
     _check(watch, None, host, device)
     _check_objects(flat)
+    effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
     build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
-    return Captured(graph, static, build, backend, device, recorder.seeded,
-                    list(recorder.hidden.values()), state_written, inplace, reuse)
+    captured = Captured(graph, static, build, backend, device, recorder.seeded,
+                        list(recorder.hidden.values()), state_written, inplace, reuse)
+    captured.effects = effects
+    return captured
 
 
 def hand_back(captured: Captured, leaves: list[Any], missed: list[int]) -> None:

@@ -26,12 +26,15 @@ the structural check (``lifecycle``) so that the advance alone is no structural 
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
 from .vocab import EagerReason, Uncapturable
 
@@ -216,10 +219,12 @@ class Effects:
     """What a replay does to an object argument's counters: fill the device scalars the
     graph reads, then, once it has replayed, advance each counter as the call does."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "keep")
 
-    def __init__(self, items: list[tuple[int, Counter, int, torch.Tensor | None]]) -> None:
+    def __init__(self, items: list[tuple[int, Counter, int, torch.Tensor | None]],
+                 keep: list[torch.Tensor]) -> None:
         self.items = items  # (argument position, counter, delta, device scalar or None)
+        self.keep = keep  # host constants the graph copies from (constants)
 
     def wrap(self, run: Callable[[Any], Any], held: Any) -> Callable[[Any], Any]:
         items = self.items
@@ -244,13 +249,19 @@ class Effects:
 class Held:
     """The counters of one call's object arguments (see :func:`hold`)."""
 
-    __slots__ = ("found", "before", "after", "uses")
+    __slots__ = ("found", "before", "after", "uses", "keep")
 
     def __init__(self, found: list[tuple[int, Any, Counter]]) -> None:
         self.found = found  # (argument position, holder, counter)
         self.before = [getattr(h, c.attr) for _, h, c in found]
         self.after: list[Any] = []
         self.uses: list[_Use] = []
+        self.keep: list[torch.Tensor] = []  # the constants a capture made (constants)
+
+    def constants(self, recorder: Any) -> Any:
+        """:class:`constants` while a recorder with ``known`` storages is active."""
+        known = getattr(recorder, "known", None)
+        return _NOTHING_TO_DO if known is None else constants(known, self.keep)
 
     # -- warmup: plain ints, put back around the structural check ---------------------
     def rewind(self) -> None:
@@ -290,7 +301,7 @@ class Held:
             if problem is not None:
                 raise Uncapturable(EagerReason.ASSIGNS, problem)
             items.append((pos, c, left._off, use.buffer if use.used else None))
-        return Effects(items)
+        return Effects(items, self.keep)
 
 
 class _Nothing:
@@ -305,11 +316,15 @@ class _Nothing:
     def prepare(self, device: torch.device) -> set[int]:
         return set()
 
+    def constants(self, recorder: Any) -> Any:
+        return _NOTHING_TO_DO
+
     def effects(self, out: Any) -> None:
         return None
 
 
 NOTHING: Any = _Nothing()
+_NOTHING_TO_DO = contextlib.nullcontext()
 
 
 def hold(flat: Any) -> Any:
@@ -323,3 +338,46 @@ def hold(flat: Any) -> Any:
             root = flat.leaves[pos]
             found.extend((pos, c.holder(root), c) for c in walked.counters)
     return Held(found) if found else NOTHING
+
+
+class constants:  # noqa: N801 - used like a function
+    """While a call with host counters warms up or is captured (in this thread only):
+    ``torch.tensor(python data, device=...)`` (the full sliding layer's ``index =
+    torch.tensor([-1], device=...)``) makes a constant the graph bakes in, like any
+    Python scalar.  Made on the host, its storage is added to ``known`` (no hidden read:
+    nothing outside the call holds it) and kept in ``keep``; for a CUDA device it is made
+    in pinned memory and copied without a host sync (a capture refuses a pageable copy),
+    so the graph copies the kept constant on every replay."""
+
+    __slots__ = ("known", "keep", "thread", "original")
+    _original: Any = None
+
+    def __init__(self, known: set[int], keep: list[torch.Tensor]) -> None:
+        self.known, self.keep = known, keep
+        self.thread = threading.get_ident()
+        self.original: Any = None
+
+    def __enter__(self) -> None:
+        self.original = torch.tensor
+        original, known, keep, thread = self.original, self.known, self.keep, self.thread
+
+        def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            device = kwargs.get("device")
+            if (threading.get_ident() != thread or args or device is None
+                    or isinstance(data, torch.Tensor) or kwargs.get("requires_grad")):
+                return original(data, *args, **kwargs)  # type: ignore[no-any-return]
+            device = torch.device(device)
+            with _no_modes():  # lift_fresh would read it before it is known
+                host = original(data, dtype=kwargs.get("dtype"),
+                                pin_memory=device.type == "cuda")
+            keep.append(host)
+            if host.numel():
+                known.add(host.untyped_storage().data_ptr())
+            if device.type == "cpu":
+                return host  # type: ignore[no-any-return]
+            return host.to(device, non_blocking=True)  # type: ignore[no-any-return]
+
+        torch.tensor = tensor  # type: ignore[assignment]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.tensor = self.original

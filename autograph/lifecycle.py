@@ -75,17 +75,18 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
                              _known(flat, watch)) if learn else None
     watch.assigned = None
     host = _host_random_state(device) if learn else None
+    hosts = counters.hold(flat)
     with nested_block(), running(watch):
         if timed:
             backend.synchronize(device)
         start = time.perf_counter()
-        with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK:
+        with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK, \
+                hosts.constants(recorder):
             out = fn(*args, **kwargs)
         if timed:
             backend.synchronize(device)
         seconds = time.perf_counter() - start
     backend.after_warmup(device, out)
-    hosts = counters.hold(flat)
     hosts.rewind()  # their advance is no structural change (counters.py)
     try:
         _check(watch, out, host, device)
@@ -165,7 +166,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         with recorder:
             return fn(*args, **kwargs)
 
-    with nested_block(), running(watch), _no_autocast_cache():
+    with nested_block(), running(watch), _no_autocast_cache(), hosts.constants(recorder):
         try:
             hosts.stand_in()
             graph, out = backend.capture(device, recorded)

@@ -198,6 +198,8 @@ class HostCounter:
         return format(self._plain("formats it"), spec)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # probes (``__torch_function__``): an int has none
+            raise AttributeError(name)
         return getattr(self._plain(f"reads its attribute {name}"), name)
 
 

@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes as _no_modes
 
+from .constants import constants
 from .vocab import EagerReason, Uncapturable
 
 _CMP: dict[str, Callable[[int, int], bool]] = {
@@ -83,7 +82,8 @@ class _Use:
 
     def leak(self, what: str) -> None:
         if self.problem is None:
-            self.problem = f"{self.counter.label}: the call {what} (a graph would bake its value in)"
+            self.problem = (f"{self.counter.label}: the call {what} (a graph would bake "
+                            "its value in)")
 
     def constant(self) -> str | None:
         """The first comparison whose outcome varies over the phase, as text."""
@@ -334,52 +334,10 @@ def hold(flat: Any) -> Any:
     :data:`NOTHING` when there are none (every call without object arguments)."""
     if not flat.objects:
         return NOTHING
-    found = []
+    found: list[tuple[int, Any, Counter]] = []
     for pos, walked, _key, _device in flat.objects:
         if walked.counters:
             root = flat.leaves[pos]
             found.extend((pos, c.holder(root), c) for c in walked.counters)
     return Held(found) if found else NOTHING
 
-
-class constants:  # noqa: N801 - used like a function
-    """While a call with host counters warms up or is captured (in this thread only):
-    ``torch.tensor(python data, device=...)`` (the full sliding layer's ``index =
-    torch.tensor([-1], device=...)``) makes a constant the graph bakes in, like any
-    Python scalar.  Made on the host, its storage is added to ``known`` (no hidden read:
-    nothing outside the call holds it) and kept in ``keep``; for a CUDA device it is made
-    in pinned memory and copied without a host sync (a capture refuses a pageable copy),
-    so the graph copies the kept constant on every replay."""
-
-    __slots__ = ("known", "keep", "thread", "original")
-    _original: Any = None
-
-    def __init__(self, known: set[int], keep: list[torch.Tensor]) -> None:
-        self.known, self.keep = known, keep
-        self.thread = threading.get_ident()
-        self.original: Any = None
-
-    def __enter__(self) -> None:
-        self.original = torch.tensor
-        original, known, keep, thread = self.original, self.known, self.keep, self.thread
-
-        def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-            device = kwargs.get("device")
-            if (threading.get_ident() != thread or args or device is None
-                    or isinstance(data, torch.Tensor) or kwargs.get("requires_grad")):
-                return original(data, *args, **kwargs)  # type: ignore[no-any-return]
-            device = torch.device(device)
-            with _no_modes():  # lift_fresh would read it before it is known
-                host = original(data, dtype=kwargs.get("dtype"),
-                                pin_memory=device.type == "cuda")
-            keep.append(host)
-            if host.numel():
-                known.add(host.untyped_storage().data_ptr())
-            if device.type == "cpu":
-                return host  # type: ignore[no-any-return]
-            return host.to(device, non_blocking=True)  # type: ignore[no-any-return]
-
-        torch.tensor = tensor  # type: ignore[assignment]
-
-    def __exit__(self, *exc: object) -> None:
-        torch.tensor = self.original

@@ -228,10 +228,16 @@ class Effects:
         self.items = items  # (argument position, counter, delta, device scalar or None)
         self.keep = keep  # host constants the graph copies from (constants)
 
-    def wrap(self, run: Callable[[Any], Any], held: Any) -> Callable[[Any], Any]:
+    def wrap(self, run: Callable[[Any], Any], held: Any, order: Callable[[], None]
+             ) -> Callable[[Any], Any]:
+        """``run`` with the effects around it; ``order()`` first makes the current stream
+        wait for the graph's last replay on another (which may still read a scalar).
+        Calls of one key share one object (its tensors' addresses are in the key), and
+        the object is not safe to advance from two threads at once, eager or not."""
         items = self.items
 
         def run_with_counters(leaves: Any) -> Any:
+            order()
             todo = []
             for pos, counter, delta, buffer in items:
                 holder = counter.holder(leaves[pos])

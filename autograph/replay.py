@@ -75,7 +75,10 @@ class Captured:
         """The replay (:meth:`_runner`), with the host counters' effects around it when
         the call advances any (``counters.Effects``)."""
         run = self._runner()
-        return run if self.effects is None else self.effects.wrap(run, HELD)
+        if self.effects is None:
+            return run
+        backend, device, pool = self.backend, self.device, self.pool
+        return self.effects.wrap(run, HELD, lambda: backend.order_replay(device, pool))
 
     def _runner(self) -> Callable[[Any], Any]:
         """The replay, with everything it needs bound: copy the arguments in, replay,

@@ -159,3 +159,30 @@ def test_decode_loop_positions_from_the_counter():
     assert s["replays"] >= 12, s
     details = s["eager_details"].get("assigns_attribute", {})
     assert any("cumulative_length_int: the call compares it" in d for d in details), s
+
+
+class Trains(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(1, 1)
+
+    def forward(self, x, w):
+        pos = torch.arange(x.shape[0]) + w.count
+        w.count += x.shape[0]
+        return self.fc(x) * pos
+
+
+def test_a_call_autograd_records_with_a_counter_runs_eagerly():
+    torch.manual_seed(0)
+    model = Trains()
+    g = autograph.graphed(model)
+    w, want_w = Window(), Window()
+    for _ in range(8):
+        got = g(torch.ones(1, 1), w)
+        want = model(torch.ones(1, 1), want_w)
+        assert torch.equal(got, want) and w.count == want_w.count
+        got.sum().backward()
+    s = autograph.stats(g)
+    assert s["replays"] == 0, s
+    details = s["eager_details"].get("backward_unsupported", {})
+    assert any("host counter" in d for d in details), s

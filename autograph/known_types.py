@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .counters import Counter
 from .walk import Walked, walk
 
 _Tensor = torch.Tensor
@@ -43,18 +44,22 @@ def keyer_for(cls: type) -> Keyer | None:
 
 
 def _register_transformers(cache_utils: Any) -> None:
-    """A fast keyer for transformers' ``StaticCache`` of plain ``StaticLayer`` layers
-    (the layout ``generate(cache_implementation="static")`` makes): the same key the
-    general walk gives, built without recursion."""
+    """A fast keyer for transformers' ``StaticCache`` of ``StaticLayer`` and
+    ``StaticSlidingWindowLayer`` layers (the layouts ``generate(cache_implementation=
+    "static")`` makes): the same key the general walk gives, built without recursion,
+    except that a sliding layer's ``cumulative_length_int`` is keyed by its phase (see
+    :func:`_phase`) and listed as a host counter (``counters``)."""
     static_cache = getattr(cache_utils, "StaticCache", None)
     static_layer = getattr(cache_utils, "StaticLayer", None)
     if static_cache is None or static_layer is None:
         return
+    sliding = getattr(cache_utils, "StaticSlidingWindowLayer", None)
+    layer_types = (static_layer,) if sliding is None else (static_layer, sliding)
 
     def key_static(cache: Any, walked: Walked) -> Any:
         d = cache.__dict__
         layers = d.get("layers")
-        if type(layers) is not list or any(type(layer) is not static_layer for layer in layers):
+        if type(layers) is not list or any(type(layer) not in layer_types for layer in layers):
             counter = [0]
             return walk(cache, walked, type(cache).__name__, 0, counter)
         append_t, append_p = walked.tensors.append, walked.paths.append
@@ -73,6 +78,8 @@ def _register_transformers(cache_utils: Any) -> None:
                     append_t(v)
                     append_p((i, name))
                     values.append(None)
+                elif name == _COUNTER and type(layer) is sliding:
+                    values.append(_phase(walked, i, v, ld.get("max_cache_len")))
                 else:
                     values.append(v)
             parts.append((tuple(ld), kinds, tuple(values)))
@@ -85,3 +92,21 @@ def _register_transformers(cache_utils: Any) -> None:
         return ("static_cache", tuple(parts), tuple(rest))
 
     register(static_cache, key_static)
+
+
+_COUNTER = "cumulative_length_int"
+
+
+def _phase(walked: Walked, i: int, value: int, window: Any) -> Any:
+    """A sliding layer's token count by its phase: 0 (empty), filling (1 to the window
+    less one) or full (the window or more), which is what ``update()`` branches on for
+    a call of a given number of new tokens.  The capture checks that every branch the
+    call takes on it is the same for every value of the phase (``counters``)."""
+    if type(value) is not int or type(window) is not int or window < 2 or value < 0:
+        return value  # keyed by value
+    lo, hi = (0, 0) if value == 0 else (1, window - 1) if value < window else (window, None)
+    if walked.counters is None:
+        walked.counters = []
+    walked.counters.append(Counter(("layers", i), _COUNTER, lo, hi,
+                                   f"StaticCache.layers[{i}].{_COUNTER}"))
+    return ("phase", lo)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from . import counters
 from .buffers import StaticInputs, output_builder
 from .capture import Backend
 from .flat import Flat
@@ -75,22 +76,26 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
                              _known(flat, watch)) if learn else None
     watch.assigned = None
     host = _host_random_state(device) if learn else None
+    hosts = counters.hold(flat)
     with nested_block(), running(watch):
         if timed:
             backend.synchronize(device)
         start = time.perf_counter()
-        with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK:
+        with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK, \
+                hosts.constants(recorder):
             out = fn(*args, **kwargs)
         if timed:
             backend.synchronize(device)
         seconds = time.perf_counter() - start
     backend.after_warmup(device, out)
+    hosts.rewind()  # their advance is no structural change (counters.py)
     try:
         _check(watch, out, host, device)
         _check_objects(flat)
         problem = None
     except Uncapturable as exc:
         problem = exc
+    hosts.settle()
     return Warmed(out, recorder.written if recorder else set(),
                   list(recorder.hidden.values()) if recorder else [], seconds, problem)
 
@@ -152,7 +157,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     for n, t in enumerate(state):  # parameters and buffers as negative positions
         if t.numel():
             watched.setdefault(storage_ptr(t), []).append(-1 - n)
-    known = _known(flat, watch) | {storage_ptr(b) for b in static.buffers if b.numel()}
+    hosts = counters.hold(flat)  # host counters: learned, put back, advanced by replays
+    known = (_known(flat, watch) | hosts.prepare(device)
+             | {storage_ptr(b) for b in static.buffers if b.numel()})
     recorder = WriteRecorder(watched, known)
     footprint = Footprint(known, device)  # what the graph needs of the pool
     watch.assigned = None
@@ -161,15 +168,23 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         with footprint, recorder:
             return fn(*args, **kwargs)
 
-    with nested_block(), running(watch), _no_autocast_cache():
+    with nested_block(), running(watch), _no_autocast_cache(), hosts.constants(recorder):
         try:
+            hosts.stand_in()
             graph, out = backend.capture(device, recorded)
         except CAPTURE_ERRORS as exc:
             raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
+        except TypeError as exc:
+            if "HostCounter" not in str(exc):
+                raise
+            raise Uncapturable(EagerReason.ASSIGNS, f"a host counter of an argument object "
+                               f"reached {_first_line(exc)}") from exc
         finally:
             needs = footprint.close()
+            hosts.rewind()
     _check(watch, None, host, device)
     _check_objects(flat)
+    effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)
@@ -179,6 +194,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     captured = Captured(graph, static, build, backend, device, recorder.seeded,
                         list(recorder.hidden.values()), state_written, inplace, reuse)
     captured.footprint = needs
+    captured.effects = effects
     return captured
 
 

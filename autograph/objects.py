@@ -22,6 +22,10 @@ a scalar, allocates a tensor on first use, advances a host tensor) is found by k
 object again after the warmup run: that key runs eagerly, with the changed attributes
 in its reason, and the next call, which sees the new structure, has a key of its own.
 
+A keyer may key a Python int by its phase instead (a sliding-window cache's count): the
+capture then proves that a graph is right for every value of the phase, and the replay
+advances the int as the call does (``counters``).
+
 Known types have a faster keyer (``known_types``: transformers' caches, registered
 when ``transformers.cache_utils`` is already imported: autograph never imports it); any
 other object is walked (``walk``).

@@ -26,7 +26,7 @@ class Captured:
     """A captured graph with everything its replay needs."""
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
-                 "state_written", "inplace", "reuse", "_holders", "footprint")
+                 "state_written", "inplace", "reuse", "_holders", "footprint", "effects")
     held_reason: Any = None  # why the runner returned HELD, when not outputs="reuse"
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
@@ -46,6 +46,8 @@ class Captured:
         self.reuse = reuse  # outputs handed out without a copy (outputs="reuse")
         self._holders: tuple[tuple[int, int], ...] | None = None
         self.footprint = 0  # peak bytes of the tensors the capture made (footprint.py)
+        # host counters of object arguments: filled before, advanced after a replay
+        self.effects: Any = None
 
     def holders(self) -> tuple[tuple[int, int], ...]:
         """(storage handle, use count with no output handed out) per pool storage that
@@ -71,6 +73,15 @@ class Captured:
         self.backend.synchronize(self.device)
 
     def runner(self) -> Callable[[Any], Any]:
+        """The replay (:meth:`_runner`), with the host counters' effects around it when
+        the call advances any (``counters.Effects``)."""
+        run = self._runner()
+        if self.effects is None:
+            return run
+        backend, device, pool = self.backend, self.device, self.pool
+        return self.effects.wrap(run, HELD, lambda: backend.order_replay(device, pool))
+
+    def _runner(self) -> Callable[[Any], Any]:
         """The replay, with everything it needs bound: copy the arguments in, replay,
         build the outputs.  Serialized per device, since the graphs of a pool share
         memory and a capture must not overlap a replay.

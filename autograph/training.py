@@ -130,6 +130,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 
     on_pool = _OnPool(backend, backend.private_pool(device))
     base = lifecycle.capture(forward, flat, on_pool, device, watch, ())  # type: ignore[arg-type]
+    if base.effects is not None:  # Trained's replay does not apply them
+        raise Uncapturable(UNSUPPORTED, "the call advances a host counter of an argument "
+                           "object (counters.py)")
     out = seen["out"]
     _check_outputs(out, base, leaves, watch)
     trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),

@@ -32,7 +32,7 @@ _UNOPENED = (set, frozenset, torch.nn.Module)
 class Walked:
     """One object argument as walked: the tensors it holds (with their paths)."""
 
-    __slots__ = ("obj", "tensors", "paths")
+    __slots__ = ("obj", "tensors", "paths", "counters")
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
@@ -40,6 +40,8 @@ class Walked:
         # where each tensor sits, as text or as (layer, attribute) of a StaticCache
         # (formatted only for a message: most calls never need one)
         self.paths: list[Any] = []
+        # Python ints keyed by phase, not value (``counters.Counter``; set by a keyer)
+        self.counters: list[Any] | None = None
 
     def path(self, k: int) -> str:
         """Where the ``k``-th tensor sits in the object, as text."""

@@ -13,8 +13,10 @@ WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range
 
 
 def decoder(kind: str, *, layers: int = 2, hidden: int = 64, vocab: int = 256,
-            dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
-    """A Llama-, GPT-2-, Qwen2-, Mistral- or Gemma-shaped causal LM with random weights."""
+            dtype: torch.dtype = torch.float32, device: str = "cpu",
+            sliding_window: int | None = None) -> Any:
+    """A Llama-, GPT-2-, Qwen2-, Mistral- or Gemma-shaped causal LM with random weights
+    (Mistral's sliding window as given, else its config's default)."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -32,6 +34,8 @@ def decoder(kind: str, *, layers: int = 2, hidden: int = 64, vocab: int = 256,
             "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
             "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM),
         }[kind]
+        if sliding_window is not None:
+            common["sliding_window"] = sliding_window
         cfg = config_cls(intermediate_size=hidden * 2, num_key_value_heads=max(1, heads // 2),
                          **common)
         model = model_cls(cfg)

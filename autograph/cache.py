@@ -53,7 +53,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest", "repeat", "direct",
+        "used", "digest", "repeat", "direct", "contained",
     )
 
     def __init__(self) -> None:
@@ -70,6 +70,9 @@ class Entry:
         self.digest: int | None = None  # the key's digest for the ranks, once computed
         self.repeat = False  # its graph may be captured again without warming up
         self.direct = False  # captured again without warming up (see GraphCache.known)
+        # autograd records the call, but its work begins and ends inside it (a whole
+        # training step: backward and optimizer step inside): one plain graph
+        self.contained = False
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""

@@ -82,7 +82,12 @@ class _Dispatch:
 
         def roots() -> list[nn.Module]:
             obj = ref()
-            return [obj] if is_module and obj is not None else []
+            if obj is None:
+                return []
+            if is_module:
+                return [obj]
+            # a plain object (a trainer): the modules its attributes hold
+            return [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, nn.Module)]
 
         name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
         handle = make_engine(call, self.options, name, roots, fn, False, method=True)

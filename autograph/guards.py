@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .coderefs import code_refs, same
+from .steps import StepGuard
 
 _Module = nn.Module
 _MISSING = object()
@@ -75,6 +76,7 @@ class Watch:
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
+        self.steps = StepGuard()  # optimizers stepped inside graphs (steps.py)
         self._last_grad: Any = None  # a weak reference to a tensor that required grad
         self._modules: list[Any] = []  # weak references to the watched modules
         self._training: tuple[bool, ...] | None = None
@@ -109,6 +111,7 @@ class Watch:
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None
         self._hidden = []
+        self.steps.clear()
         self.dirty = self.altered = False
         self.stale = False
 
@@ -133,6 +136,8 @@ class Watch:
         for get, value in self._refs:
             if not same(get(), value):
                 return False
+        if self.steps and not self.steps.ok():
+            return False
         return self._hidden_same()
 
     def _hidden_same(self) -> bool:
@@ -172,17 +177,17 @@ class Watch:
         self._last_grad = None
         return False
 
-    def guard_hidden(self, tensors: list[torch.Tensor]) -> None:
+    def guard_hidden(self, tensors: list[torch.Tensor], device: torch.device) -> None:
         """Also guard tensors a graph reads that are no argument, parameter, buffer or
         named global (a cached weight, a tensor held by a plain object): the graphs go
-        when one is freed or moves; a host tensor (read at capture, baked into the
-        graph) also when it is written in place."""
+        when one is freed or moves; one on another device than the graph's (a host
+        tensor read at capture, baked into the graph) also when it is written in place."""
         for t in tensors:
             try:
                 ref = weakref.ref(t)
             except TypeError:  # pragma: no cover - tensors support weak references
                 continue
-            version = t._version if t.device.type == "cpu" else None
+            version = t._version if t.device != device else None
             self._hidden.append((ref, t.data_ptr(), version))
 
     def roots(self) -> list[nn.Module]:

@@ -34,6 +34,7 @@ from .footprint import Footprint
 from .guards import Watch, running
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Captured, use_count
+from .steps import Stepped
 from .vocab import EagerReason, Uncapturable
 
 # Warmups and captures are serialized process-wide: capture must not interleave with
@@ -106,11 +107,14 @@ def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
         raise Uncapturable(EagerReason.ASSIGNS, watch.assigned)
     if host is not None and _host_random_state(device) != host:
         raise Uncapturable(EagerReason.HOST_RANDOM)
-    if torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)
-    ):
+    if torch.is_grad_enabled() and requires_grad(out):
         raise Uncapturable(EagerReason.AUTOGRAD, "an output requires grad (a tensor the "
                            "call reads requires grad)")
+
+
+def requires_grad(out: Any) -> bool:
+    """Whether a tensor among the outputs requires grad."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
 
 
 def _check_objects(flat: Flat) -> None:
@@ -164,8 +168,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     footprint = Footprint(known, device)  # what the graph needs of the pool
     watch.assigned = None
     host = _host_random_state(device)
+    stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
+
     def recorded() -> Any:  # the recorder innermost: it sees the very tensors written
-        with footprint, recorder:
+        with stepped, footprint, recorder:
             return fn(*args, **kwargs)
 
     with nested_block(), running(watch), _no_autocast_cache(), hosts.constants(recorder):
@@ -184,6 +190,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
             hosts.rewind()
     _check(watch, None, host, device)
     _check_objects(flat)
+    watch.steps.add(stepped.optimizers)
     effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place

@@ -36,9 +36,12 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
     timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
     engine.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
     with lifecycle.CAPTURE_LOCK, engine.profiler_range("warmup"):
-        run_warm = training.warm if engine.for_backward(key, flat) else lifecycle.warm
+        trains = engine.for_backward(key, flat) and not entry.contained
+        run_warm = training.warm if trains else lifecycle.warm
         warmed = run_warm(engine.fn, flat, backend, device, engine.watch,
-                      learn=entry.runs == 0, timed=timed)
+                          learn=entry.runs == 0, timed=timed)
+    if trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out):
+        entry.contained = True  # nothing autograd recorded leaves the call: one graph
     if warmed.problem is not None:  # the call ran; graphs would get it wrong
         entry.give_up(warmed.problem.reason, warmed.problem.detail)
         return warmed.out
@@ -46,7 +49,7 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
     if timed:
         entry.eager_s = min(entry.eager_s, warmed.seconds)
     if warmed.hidden:
-        engine.watch.guard_hidden(warmed.hidden)
+        engine.watch.guard_hidden(warmed.hidden, device)
     if warmed.written:
         engine.cache.rekey(key, entry, flat, warmed.written)
     return warmed.out
@@ -63,7 +66,8 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         start = time.perf_counter()
         before = backend.memory_reserved(device)
         inplace = engine.cache.in_place(key, flat)
-        run_capture = (training.capturer(stats) if engine.for_backward(key, flat)
+        run_capture = (training.capturer(stats)
+                       if engine.for_backward(key, flat) and not entry.contained
                        else lifecycle.capture)
         try:
             with engine.profiler_range("capture"):
@@ -113,7 +117,7 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         stats.count_eager(EagerReason.MEMORY, f"needs {nbytes} bytes, budget {budget}")
         return result
     if captured.hidden:
-        engine.watch.guard_hidden(captured.hidden)
+        engine.watch.guard_hidden(captured.hidden, captured.device)
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
     entry.graph = captured
     run = captured.runner()

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from autograph.capture import use_backend
 
@@ -14,3 +15,12 @@ def standin():
         yield backend
     finally:
         undo()
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """Each test starts and ends with this thread's grad mode as it was: a test that
+    resumes a ``torch.no_grad()`` block on another thread leaves it off here."""
+    before = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(before)

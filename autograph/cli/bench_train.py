@@ -3,7 +3,8 @@ policy MLP (64 in, three 256-wide layers, 16 out, fp32) per step: ``zero_grad``,
 forward, MSE loss, backward, ``AdamW`` step (``fused=True`` where torch has it for
 CUDA, else ``foreach=True``), at batch 1 and 32.
 
-Methods: eager, autograph (``graphed(model)``), ``torch.cuda.make_graphed_callables``
+Methods: eager, autograph (``graphed(model)``), autograph step (the whole step graphed:
+``graphed(step)``, with ``capturable=True``), ``torch.cuda.make_graphed_callables``
 (``model`` with one sample) and ``torch.compile(model, mode="reduce-overhead")``, each
 on its own copy of the same initial weights, fed the same batches.  Per method: the
 set-up and the first three steps (timed together), then more steps whose losses are
@@ -35,7 +36,7 @@ import autograph
 
 from .cells import num, ratio
 
-METHODS = ("eager", "autograph", "make_graphed_callables", "torch.compile")
+METHODS = ("eager", "autograph", "autograph step", "make_graphed_callables", "torch.compile")
 FIRST_STEPS = 3  # timed with the set-up
 CHECK_STEPS = 8  # losses compared with eager's (the first steps included)
 
@@ -59,13 +60,17 @@ def policy(inputs: int = 64, width: int = 256, outputs: int = 16) -> nn.Sequenti
                          nn.Linear(width, outputs))
 
 
-def optimizer_for(params: Any) -> tuple[torch.optim.Optimizer, str]:
-    """AdamW, fused where this torch supports it on CUDA, else foreach."""
+def optimizer_for(params: Any, capturable: bool = False) -> tuple[torch.optim.Optimizer, str]:
+    """AdamW, fused where this torch supports it on CUDA, else foreach; ``capturable``
+    (its step count on the device) for a step captured in a graph."""
     params = list(params)
+    extra = " capturable" if capturable else ""
     try:
-        return torch.optim.AdamW(params, lr=1e-4, fused=True), "AdamW fused"
+        return (torch.optim.AdamW(params, lr=1e-4, fused=True, capturable=capturable),
+                "AdamW fused" + extra)
     except (RuntimeError, TypeError, ValueError):
-        return torch.optim.AdamW(params, lr=1e-4, foreach=True), "AdamW foreach"
+        return (torch.optim.AdamW(params, lr=1e-4, foreach=True, capturable=capturable),
+                "AdamW foreach" + extra)
 
 
 def _wrap(name: str, model: nn.Module, sample: torch.Tensor
@@ -100,14 +105,24 @@ def _wrap(name: str, model: nn.Module, sample: torch.Tensor
 
 
 class Trainer:
-    """One method's model, optimizer and step."""
+    """One method's model, optimizer and step ("autograph step": the step graphed)."""
 
     def __init__(self, name: str, base: nn.Module, sample: torch.Tensor) -> None:
         self.model = copy.deepcopy(base)
-        self.forward, self.note = _wrap(name, self.model, sample)
-        self.opt, self.optimizer = optimizer_for(self.model.parameters())
+        whole = name == "autograph step"
+        self.forward, self.note = _wrap("eager" if whole else name, self.model, sample)
+        self.opt, self.optimizer = optimizer_for(self.model.parameters(), capturable=whole)
+        self.step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = self._step
+        if whole:
+            graphed_step = self.step = autograph.graphed(self._step)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            def note() -> str:
+                s = autograph.stats(graphed_step)
+                return f"replays {s['replays']}, eager {s['eager']} {dict(s['eager_reasons'])}"
+
+            self.note = note
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(self.forward(x), y)
         loss.backward()

@@ -1,0 +1,102 @@
+"""Whole training steps: a graphed call that runs its own backward and optimizer step.
+
+``graphed(train_step)`` where ``train_step`` zeroes the gradients, runs forward and
+``loss.backward()`` and steps an optimizer, returning tensors that do not require grad,
+is captured as one graph (torch's "whole network capture"): autograd's work begins and
+ends inside the call, so no backward graph is needed.  The graph bakes in what the
+optimizer's Python reads, its hyper-parameters above all (``lr``, betas, weight decay):
+a learning-rate schedule that assigns a new ``lr`` would be ignored by the replays.
+:class:`Stepped` finds the optimizers a capture steps (torch's global step pre-hook,
+this thread only) and :class:`StepGuard` checks, on every call, that their
+hyper-parameters, parameter groups and state are the ones captured; otherwise the
+graphs go (``Watch.ok``).  An ``lr`` that is a tensor updated in place
+(``capturable=True`` optimizers accept one) is read by the graph and keeps it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.optim.optimizer as _optimizer
+
+_register = getattr(_optimizer, "register_optimizer_step_pre_hook", None)
+
+
+class Stepped:
+    """While open, collects the optimizers whose ``step()`` runs in this thread."""
+
+    __slots__ = ("optimizers", "_thread", "_handle")
+
+    def __init__(self) -> None:
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self._thread = threading.get_ident()
+        self._handle: Any = None
+
+    def __enter__(self) -> Stepped:
+        if _register is not None:
+            self._handle = _register(self._seen)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _seen(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if threading.get_ident() == self._thread and not any(
+                o is optimizer for o in self.optimizers):
+            self.optimizers.append(optimizer)
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """What a captured step baked in of ``optimizer``: per parameter group its
+    hyper-parameters (tensors by identity) and its number of parameters, and the
+    number of parameters with state."""
+    groups = tuple(
+        (len(group["params"]),) + tuple(
+            (name, _value(value)) for name, value in group.items() if name != "params")
+        for group in optimizer.param_groups)
+    return groups, len(optimizer.state)
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value.data_ptr())
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+class StepGuard:
+    """The optimizers stepped by captured graphs, with their snapshots."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self) -> None:
+        # weak references: a guard must not keep an optimizer (and its state) alive
+        self._items: list[tuple[weakref.ref[torch.optim.Optimizer], tuple[Any, ...]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def add(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        for optimizer in optimizers:
+            if not any(ref() is optimizer for ref, _ in self._items):
+                self._items.append((weakref.ref(optimizer), snapshot(optimizer)))
+
+    def ok(self) -> bool:
+        """True while every guarded optimizer is alive and as captured."""
+        try:
+            for ref, then in self._items:
+                optimizer = ref()
+                if optimizer is None or snapshot(optimizer) != then:
+                    return False
+            return True
+        except Exception:  # noqa: BLE001 - a group changed shape: not as captured
+            return False
+
+    def clear(self) -> None:
+        self._items = []

@@ -1,0 +1,113 @@
+"""A whole training step graphed (zero_grad, forward, backward, optimizer step in one
+call): one plain graph, equal to eager step after step, and the optimizer's Python
+state (its learning rate, its state) guarded, through the CPU stand-in."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import autograph
+
+
+def make(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def step(model, opt, x, y):
+    opt.zero_grad()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+class Trainer:
+    """A plain object whose method is the step: its model is found through its
+    attributes (a parameter moved by ``.data =`` is seen)."""
+
+    def __init__(self, model, lr=0.05):
+        self.model = model
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+    def step(self, x, y):
+        return step(self.model, self.opt, x, y)
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g))
+            for _ in range(n)]
+
+
+def same_params(a, b):
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_whole_step_replays_and_equals_eager(standin):
+    graphed_trainer, eager_trainer = Trainer(make()), Trainer(make())
+    train = autograph.graphed(graphed_trainer.step)
+    for x, y in batches(12):
+        torch.testing.assert_close(train(x, y), eager_trainer.step(x, y), rtol=0, atol=0)
+    same_params(graphed_trainer.model, eager_trainer.model)
+    s = autograph.stats(train)
+    assert s["replays"] >= 8 and s["captures"] == 1, s
+    assert graphed_trainer.opt.state  # the momentum buffers the replays wrote
+
+
+def test_a_new_learning_rate_is_seen(standin):
+    graphed_trainer, eager_trainer = Trainer(make()), Trainer(make())
+    train = autograph.graphed(graphed_trainer.step)
+    for i, (x, y) in enumerate(batches(16)):
+        if i in (6, 11):  # a schedule assigning a Python float
+            for t in (graphed_trainer, eager_trainer):
+                t.opt.param_groups[0]["lr"] *= 0.5
+        torch.testing.assert_close(train(x, y), eager_trainer.step(x, y), rtol=0, atol=0)
+    same_params(graphed_trainer.model, eager_trainer.model)
+    s = autograph.stats(train)
+    assert s["invalidations"] == 2 and s["replays"] >= 6, s
+
+
+def test_a_new_optimizer_or_moved_parameters_are_seen(standin):
+    graphed_trainer, eager_trainer = Trainer(make()), Trainer(make())
+    train = autograph.graphed(graphed_trainer.step)
+    for i, (x, y) in enumerate(batches(18)):
+        if i == 6:  # a fresh optimizer: new momentum buffers
+            for t in (graphed_trainer, eager_trainer):
+                t.opt = torch.optim.SGD(t.model.parameters(), lr=0.02, momentum=0.5)
+        if i == 12:  # parameters replaced in place of their storage
+            for t in (graphed_trainer, eager_trainer):
+                with torch.no_grad():
+                    t.model[0].weight.data = t.model[0].weight.data.clone()
+        torch.testing.assert_close(train(x, y), eager_trainer.step(x, y), rtol=0, atol=0)
+    same_params(graphed_trainer.model, eager_trainer.model)
+    assert autograph.stats(train)["replays"] >= 6
+
+
+def test_backward_false_runs_a_whole_step_eagerly(standin):
+    graphed_trainer, eager_trainer = Trainer(make()), Trainer(make())
+    train = autograph.graphed(graphed_trainer.step, backward=False)
+    for x, y in batches(4):
+        torch.testing.assert_close(train(x, y), eager_trainer.step(x, y), rtol=0, atol=0)
+    s = autograph.stats(train)
+    assert s["replays"] == 0 and s["eager_reasons"].get("autograd") == 4
+
+
+@pytest.mark.parametrize("keep_graph", [False, True])
+def test_a_step_returning_a_tensor_that_requires_grad_is_no_whole_step(standin, keep_graph):
+    """The loss returned undetached: autograd's work leaves the call, so it is a
+    training graph (forward and backward graphs), not one plain graph."""
+    model, reference = make(), make()
+    fn = autograph.graphed(lambda x: model(x).square().mean())
+    for x, _ in batches(6):
+        loss = fn(x)
+        ref = reference(x).square().mean()
+        assert loss.requires_grad
+        loss.backward(retain_graph=keep_graph)
+        ref.backward(retain_graph=keep_graph)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert copy.copy(autograph.stats(fn))["replays"] >= 1

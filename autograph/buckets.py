@@ -23,7 +23,9 @@ The rule, precisely:
   switched off for that context (one graph per exact shape), with a counted reason.
 
 Per-argument options are read through one resolver (``arguments.Arguments``): names and
-positions find the same entry however the call passes the argument.
+positions find the same entry however the call passes the argument.  A call whose key
+already replayed through a bucket's buffers skips all of this: it takes its route
+(``routes``), keyed once.
 """
 
 from __future__ import annotations

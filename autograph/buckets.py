@@ -73,6 +73,7 @@ class Bucketer:
         self.writes = self.args.normalize(options.pad_writes)
         self.slots = padslots.PadSlots()
         self.routes = routes.Routes()  # calls whose key replayed before: the short path
+        engine.cache.on_forget = self.routes.clear  # a freed graph is not kept by a route
         self._learned: dict[Any, Learned] = {}
         self._plans: dict[Any, list[tuple[Key, int]]] = {}
 

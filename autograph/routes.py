@@ -18,7 +18,9 @@ the guards (by the bucketer first), a given-up callable, nesting, a capture in
 progress, hooks, the addresses of arguments captured in place, and the entry still
 holding the graph the route was made with (an evicted, dropped or recaptured graph, or
 a rekeyed entry, has another runner).  The bucketer drops its routes whenever what it
-learned changes (guards, padding switched off).  Calls with object arguments, nested
+learned changes (guards, padding switched off) and whenever its engine frees a graph
+(``GraphCache.on_forget``): a route holds its graph's runner, and must not keep an
+evicted graph's memory.  Calls with object arguments, nested
 containers or a process group never take a route.
 """
 

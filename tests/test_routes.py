@@ -151,11 +151,13 @@ def test_evicted_or_reset_graph_leaves_its_route():
         captures = autograph.stats(f)["captures"]
         call(3)  # bucket 4's graph evicts bucket 8's
         assert autograph.stats(f)["evictions"] == 1
+        assert not _routes(f)  # no route keeps a freed graph (its memory) alive
         call(7)  # not a replay of the evicted graph: captured again
         assert autograph.stats(f)["captures"] == captures + 2
         for _ in range(2):
             call(7)
         autograph.reset(f)
+        assert not _routes(f)
         call(7)  # the route's graph is gone: the bucketer's path, which captures again
         assert autograph.stats(f)["captures"] == captures + 3
 

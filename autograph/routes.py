@@ -31,7 +31,7 @@ from typing import Any
 
 from . import lifecycle, padslots
 from .cache import Entry
-from .flat import Flat
+from .flat import FLAT, Flat
 from .keys import GraphKey, key_call
 from .modes import modes
 from .padding import Batch, slice_back
@@ -74,7 +74,7 @@ class Routes:
     __slots__ = ("table",)
 
     def __init__(self) -> None:
-        self.table: dict[GraphKey, Route] = {}
+        self.table: dict[GraphKey, list[Route]] = {}
 
     def clear(self) -> None:
         self.table = {}
@@ -87,17 +87,19 @@ class Routes:
             key, flat, _ = key_call(args, kwargs, modes, engine.training)
         except Uncapturable:
             return MISS
-        route = self.table.get(key)
-        if route is None:
+        found = self.table.get(key)
+        if found is None:
+            return MISS
+        leaves = flat.leaves
+        for route in found:  # the one made with these arguments captured in place
+            if all(leaves[pos].data_ptr() == ptr for pos, ptr in route.addressed):
+                break
+        else:
             return MISS
         entry, run = route.entry, route.run
         if entry.run is not run or engine.given_up is not None or engine.watch.hook_reason \
                 or route.capturing() or (_nesting.active and _is_nested()):
             return MISS
-        leaves = flat.leaves
-        for pos, ptr in route.addressed:
-            if leaves[pos].data_ptr() != ptr:
-                return MISS
         lock = bucketer.slots.lock
         if not lock.acquire(blocking=False):
             return MISS  # another call is using the buffers: the bucketer's own path
@@ -131,6 +133,9 @@ class Routes:
              slot: padslots.Slot, written: list[int], size: int, real: int) -> None:
         """After a call that replayed on ``slot``'s buffers (``padded``: its arguments
         with the buffers in): remember its route, when it may have one."""
+        if not all(map(FLAT, map(type, args))) or not all(map(FLAT, map(type,
+                                                                         kwargs.values()))):
+            return  # containers and objects: cheaply told apart before keying anything
         engine = bucketer.engine
         try:
             key, flat, _ = key_call(args, kwargs, modes, engine.training)
@@ -153,7 +158,10 @@ class Routes:
         rows_runner = getattr(entry.graph, "rows_runner", None)
         rows = rows_runner(slot.out_dim, size, real) if rows_runner is not None and \
             engine.options.min_speedup is None else None  # (its trial times entry.run)
-        if len(self.table) >= MAX_ROUTES:
+        route = Route(entry, slot, positions, written, addressed, size, real, capturing, rows)
+        # per key, a few routes by the addresses of the arguments captured in place (a
+        # step alternating between two caches keeps both)
+        found = [r for r in self.table.get(key, ()) if r.addressed != addressed][-3:]
+        if key not in self.table and len(self.table) >= MAX_ROUTES:
             self.table = {}
-        self.table[key] = Route(entry, slot, positions, written, addressed, size,
-                                real, capturing, rows)
+        self.table[key] = [*found, route]

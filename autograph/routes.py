@@ -82,6 +82,8 @@ class Routes:
     def run(self, bucketer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The call on its route (counted as the bucketer counts it), or :data:`MISS`
         when it has none or anything the route assumed no longer holds."""
+        if not _plain(args, kwargs):
+            return MISS  # never routed, and keying objects costs: not keyed twice
         engine = bucketer.engine
         try:
             key, flat, _ = key_call(args, kwargs, modes, engine.training)
@@ -133,9 +135,8 @@ class Routes:
              slot: padslots.Slot, written: list[int], size: int, real: int) -> None:
         """After a call that replayed on ``slot``'s buffers (``padded``: its arguments
         with the buffers in): remember its route, when it may have one."""
-        if not all(map(FLAT, map(type, args))) or not all(map(FLAT, map(type,
-                                                                         kwargs.values()))):
-            return  # containers and objects: cheaply told apart before keying anything
+        if not _plain(args, kwargs):
+            return  # containers and objects: told apart by type before keying anything
         engine = bucketer.engine
         try:
             key, flat, _ = key_call(args, kwargs, modes, engine.training)
@@ -165,3 +166,9 @@ class Routes:
         if key not in self.table and len(self.table) >= MAX_ROUTES:
             self.table = {}
         self.table[key] = [*found, route]
+
+
+def _plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether every argument is a tensor or a plain value (no container, no object)."""
+    return all(map(FLAT, map(type, args))) and (
+        not kwargs or all(map(FLAT, map(type, kwargs.values()))))

@@ -23,7 +23,9 @@ The rule, precisely:
   switched off for that context (one graph per exact shape), with a counted reason.
 
 Per-argument options are read through one resolver (``arguments.Arguments``): names and
-positions find the same entry however the call passes the argument.
+positions find the same entry however the call passes the argument.  A call whose key
+already replayed through a bucket's buffers skips all of this: it takes its route
+(``routes``), keyed once.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 import torch
 
-from . import padcheck, padslots
+from . import padcheck, padslots, routes
 from . import switch as _switch
 from .arguments import Arguments, Key
 from .dispatch import Engine
@@ -70,6 +72,8 @@ class Bucketer:
         self.pads = self.args.normalize(options.pad_values)
         self.writes = self.args.normalize(options.pad_writes)
         self.slots = padslots.PadSlots()
+        self.routes = routes.Routes()  # calls whose key replayed before: the short path
+        engine.cache.on_forget = self.routes.clear  # a freed graph is not kept by a route
         self._learned: dict[Any, Learned] = {}
         self._plans: dict[Any, list[tuple[Key, int]]] = {}
 
@@ -87,6 +91,10 @@ class Bucketer:
             return engine.dispatch(args, kwargs)
         if engine.check_guards():  # module state changed: learn and check again
             self._forget()
+        if self.routes.table:
+            out = self.routes.run(self, args, kwargs)
+            if out is not routes.MISS:
+                return out
         context = self._context(args, kwargs)
         learned = self._learned.get(context) if context is not None else None
         learning = learned is None and context is not None
@@ -146,22 +154,26 @@ class Bucketer:
         exact = size == real
         if exact and not slot.same:  # an output viewing it could not be mapped back
             return self.engine.dispatch(args, kwargs)
-        buffers = padslots.fill(slot, batch)
+        tensors = [t for _, t, _ in batch]
+        buffers = padslots.fill(slot, tensors)
         new_args, new_kwargs = list(args), dict(kwargs)
         for (key, _, _), buf in zip(batch, buffers):
             if isinstance(key, int):
                 new_args[key] = buf
             else:
                 new_kwargs[key] = buf
+        replays = self.stats.replays
         with slot.pinned:  # captured at their own address: no second copy at replay
             out = self.engine.dispatch(tuple(new_args), new_kwargs)
-        if learned.written:
-            canonical = self.args.canonical
-            written = [i for i, (k, _, _) in enumerate(batch) if canonical(k) in learned.written]
-            if written:
-                padslots.hand_back(slot, batch, written)
+        canonical = self.args.canonical
+        written = [i for i, (k, _, _) in enumerate(batch) if canonical(k) in learned.written]
+        if written:
+            padslots.hand_back(slot, tensors, written)
+        if self.stats.replays != replays and self.ranks is None:  # the next call: its route
+            self.routes.make(self, args, kwargs, (tuple(new_args), new_kwargs), batch, slot,
+                             written, size, real)
         if exact:  # outputs viewing a buffer: the same views of the caller's tensors
-            return padslots.rebased(out, slot, batch)
+            return padslots.rebased(out, slot, tensors)
         return padslots.unshared(slice_back(out, size, real, slot.out_dim), slot.ptrs)
 
     def _fills(self, batch: Batch) -> list[Any]:
@@ -204,6 +216,7 @@ class Bucketer:
                                                     if i != state})
         if len(self._learned) > 256:  # ever new non-tensor values: keep it bounded
             self._learned.pop(next(iter(self._learned)))
+            self.routes.clear()
         if state in recorder.written:
             self._turn_off(learned, "the call updates module state in place")
         return out
@@ -219,11 +232,13 @@ class Bucketer:
         """Learn and check everything again from the next call."""
         self._learned = {}
         self._plans = {}
+        self.routes.clear()
         self.slots.clear()
         self.stats.padding = None
 
     def _turn_off(self, learned: Learned, why: str) -> None:
         learned.unsafe = f"padding off: {why}; one graph per batch size"
+        self.routes.clear()
         self.stats.padding = learned.unsafe
         logger.warning("%s: %s", self.stats.name, learned.unsafe)
 

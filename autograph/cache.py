@@ -95,6 +95,8 @@ class GraphCache:
         # keys whose graphs an invalidation dropped while what warming up learns still
         # holds (``Watch.moved_only``): their next call captures without warming up
         self.known: set[GraphKey] = set()
+        # called whenever a graph is freed: a bucketer's routes hold graphs' runners
+        self.on_forget: Callable[[], None] | None = None
 
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
         """``key`` with the addresses of the arguments this key's calls write in place
@@ -199,6 +201,8 @@ class GraphCache:
         self.stats.graphs -= 1
         self.stats.graph_bytes -= entry.nbytes
         entry.graph = entry.run = None
+        if self.on_forget is not None:
+            self.on_forget()
         entry.nbytes = 0
         if entry.state is State.READY:
             entry.state = State.WARMING

@@ -132,6 +132,30 @@ class Captured:
 
         return run
 
+    def rows_runner(self, dim: int, size: int, real: int) -> Callable[[Any], Any] | None:
+        """For a call padded from ``real`` rows to ``size``: the replay that clones only
+        the real rows of its one output (from a view made once here, instead of a view
+        of a clone made every call), or None where the graph has no such runner (several
+        outputs, an output viewing an argument, ``reuse``, host counters)."""
+        single = getattr(self.build, "single_output", None)
+        if single is None or self.reuse or self.effects is not None:
+            return None
+        rows = single.narrow(dim, 0, real) if single.dim() > dim and \
+            single.shape[dim] == size else single
+        lock, pool, device = self.pool.lock, self.pool, self.device
+        order, replay, clone = self.backend.order_replay, self.graph.replay, rows.clone
+        copy_in = self.static.copy_in if self.static.positions else None
+
+        def run_rows(leaves: Any) -> Any:
+            with lock:
+                order(device, pool)
+                if copy_in is not None:
+                    copy_in(leaves)
+                replay()
+                return clone()
+
+        return run_rows
+
     def _reuse_runner(self) -> Callable[[Any], Any]:
         lock, pool, device = self.pool.lock, self.pool, self.device
         order = self.backend.order_replay

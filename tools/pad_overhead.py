@@ -81,11 +81,11 @@ def fill_costs(device, n):
         slot = padslots.PadSlots().slot(batch, BUCKET, BUCKET - 1, lambda b: [0])
         pad_rows = slot.buffers.tensors[0].narrow(0, BUCKET - 1, 1)
 
-        def every(slot=slot, batch=batch, pad_rows=pad_rows):
-            padslots.fill(slot, batch)
+        def every(slot=slot, x=x, pad_rows=pad_rows):
+            padslots.fill(slot, [x])
             pad_rows.fill_(0)
 
-        lazy = min(best(lambda s=slot, b=batch: padslots.fill(s, b), n) for _ in range(3))
+        lazy = min(best(lambda s=slot, b=[x]: padslots.fill(s, b), n) for _ in range(3))
         always = min(best(every, n) for _ in range(3))
         print(f"fill 7 of 8 rows of width {width}: pad rows kept {lazy:6.2f} us, "
               f"rewritten every call {always:6.2f} us")

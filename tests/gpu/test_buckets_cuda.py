@@ -110,3 +110,37 @@ def test_slot_cache_serving_without_pad_writes_keeps_eager_results():
     cache, ref = serve(step, model, model, "cuda", steps=40, atol=1e-4)
     assert_same_outside_dummy(cache, ref)
     assert "k_cache" in autograph.stats(step)["padding"]
+
+
+def test_routed_calls_on_cuda_equal_eager_and_keep_earlier_results():
+    """Once routed (keyed once, the buffers filled, the entry replayed directly), padded
+    and exact-size calls equal eager, on the default stream and a side stream, and a
+    result already returned is not changed by later calls."""
+    from autograph.lookup import handle_of
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).cuda().eval()
+    g = autograph.graphed(model, buckets=[4, 8], warmup=1)
+    side = torch.cuda.Stream()
+    with torch.no_grad():
+        for n in (7, 8, 3, 4) * 3:
+            g(torch.randn(n, 64, device="cuda"))
+        assert len(handle_of(g).call.routes.table) == 4
+        kept = []
+        for i in range(40):
+            n = (7, 8, 3, 4, 5)[i % 5]
+            x = torch.randn(n, 64, device="cuda")
+            if i % 3 == 2:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    out = g(x)
+                torch.cuda.current_stream().wait_stream(side)
+            else:
+                out = g(x)
+            assert out.shape == (n, 32)
+            torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+            kept.append((out, model(x)))
+        for out, want in kept:
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    s = autograph.stats(g)
+    assert s["graphs"] == 2 and s["padding"] is None

@@ -2,10 +2,12 @@
 methods (generate), on the CPU stand-in; transformers tests skip without it."""
 
 import dataclasses
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import autograph
 from autograph.keys import key_call
@@ -154,6 +156,67 @@ def test_graphed_module_graphs_the_calls_its_own_methods_make():
     s = autograph.stats(g)
     assert s["calls"] == 6 and s["replays"] == 3, s
     assert g.state_dict().keys() == m.state_dict().keys()  # nn.Module's own API unwrapped
+
+
+@dataclasses.dataclass
+class _Record(OrderedDict):
+    """A ModelOutput-like record: a dataclass and an OrderedDict of its non-None fields."""
+
+    out: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+    derived: torch.Tensor | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                OrderedDict.__setitem__(self, f.name, getattr(self, f.name))
+
+
+class _Derived(_Record):
+    """Sets an attribute from its items: not a plain record (pytree rebuilds it)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "total", self["out"].sum())
+
+
+for _cls in (_Record, _Derived):
+    pytree.register_pytree_node(
+        _cls, lambda r: (list(r.values()), list(r.keys())),
+        lambda values, keys, cls=_cls: cls(**dict(zip(keys, values))),
+        serialized_type_name=f"test_objects.{_cls.__name__}")
+
+
+@pytest.mark.parametrize("cls", [_Record, _Derived])
+def test_record_outputs_are_rebuilt_as_pytree_would(cls, monkeypatch):
+    """A dataclass-OrderedDict output (transformers' ModelOutput) is made on replay
+    without its __init__ only where it is nothing but its items; else through pytree."""
+    lin = nn.Linear(4, 4)
+    unflatten, rebuilt = pytree.tree_unflatten, []
+
+    def counted(values, spec):
+        rebuilt.append(spec.type)
+        return unflatten(values, spec)
+
+    def f(x):
+        y = lin(x)
+        return cls(out=y, extra=y * 2)
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for i in range(6):
+            if i == 3:  # captured: from here on replays
+                monkeypatch.setattr(pytree, "tree_unflatten", counted)
+            x = torch.randn(2, 4)
+            got, want = g(x), f(x)
+            assert type(got) is cls and list(got.keys()) == ["out", "extra"]
+            torch.testing.assert_close(got.out, want.out)
+            torch.testing.assert_close(got["extra"], want.extra)
+            assert got.derived is None and got.__dict__.keys() == want.__dict__.keys()
+            if cls is _Derived:
+                torch.testing.assert_close(got.total, want.total)
+    assert autograph.stats(g)["replays"] == 3
+    assert rebuilt.count(cls) == (3 if cls is _Derived else 0)
 
 
 transformers = pytest.importorskip("transformers")

@@ -302,3 +302,111 @@ def test_sentence_transformers_encode_with_buckets(monkeypatch):
         torch.testing.assert_close(got[2 * i + 1], w)
     (s,) = region.stats().values()
     assert s["replays"] >= 1 and s["eager_reasons"].keys() <= {"warmup"}, s
+
+
+def _static_cache(layers=2):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, max_position_embeddings=128)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=8)
+    cache.early_initialization(batch_size=1, num_heads=2, head_dim=8, dtype=torch.float32,
+                               device=torch.device("cpu"))
+    return cache
+
+
+def _mutations():
+    """Changes to a StaticCache between two keyings, each named, with whether the key
+    must change (every one must be seen by the memo of the last keying)."""
+    def rebind(c):
+        c.layers[0].keys = torch.zeros_like(c.layers[0].keys)
+
+    def same_view(c):  # a new tensor object at the same address and geometry
+        c.layers[1].values = c.layers[1].values.view(c.layers[1].values.shape)
+
+    def resize(c):
+        c.layers[0].values.resize_(1, 2, 4, 8)
+
+    def transpose(c):
+        c.layers[1].keys.transpose_(2, 3)
+
+    def data_dtype(c):
+        c.layers[0].keys.data = c.layers[0].keys.data.to(torch.float64)
+
+    def set_storage(c):
+        c.layers[1].keys.set_(torch.zeros_like(c.layers[1].keys))
+
+    def scalar(c):
+        c.layers[0].max_cache_len = 9
+
+    def equal_new_int(c):  # equal but another object: a miss, the same key
+        c.layers[1].max_cache_len = int("8")
+
+    def flag(c):
+        c.layers[1].is_initialized = False
+
+    def rename(c):  # the last attribute deleted and another with its value added
+        layer = c.layers[0]
+        last = list(vars(layer))[-1]
+        value = vars(layer).pop(last)
+        layer.other = value
+
+    def subclass(c):
+        class Sub(torch.Tensor):
+            pass
+        c.layers[0].keys.__class__ = Sub
+
+    def layer_list(c):
+        c.layers.append(c.layers[0])
+
+    def layer_swap(c):
+        c.layers[0], c.layers[1] = c.layers[1], c.layers[0]
+
+    def attribute(c):
+        c.offloading = True
+
+    def new_attribute(c):
+        c.extra = 1
+
+    return {f.__name__: (f, f not in (same_view, equal_new_int)) for f in (
+        rebind, same_view, resize, transpose, data_dtype, set_storage, scalar, equal_new_int,
+        flag, rename, subclass, layer_list, layer_swap, attribute, new_attribute)}
+
+
+@pytest.mark.parametrize("name", list(_mutations()))
+def test_static_cache_key_memo_sees_every_change(name):
+    """A repeat keying of a StaticCache reuses its last keying while nothing it read
+    changed (known_types.Memo); any change gives the key the full keying gives."""
+    from autograph import known_types
+
+    change, differs = _mutations()[name]
+    cache = _static_cache()
+    x = torch.ones(1)
+    with torch.no_grad():
+        before = _key(x, cache)
+        assert _key(x, cache) == before and id(cache) in known_types._memos
+        try:
+            change(cache)
+            memo = _key(x, cache)
+        except Exception as exc:  # noqa: BLE001 - unkeyable now: so must the full keying be
+            memo = type(exc)
+        known_types._memos.clear()
+        try:
+            full = _key(x, cache)
+        except Exception as exc:  # noqa: BLE001
+            full = type(exc)
+    assert memo == full
+    assert (memo != before) is differs
+
+
+def test_static_cache_key_memo_goes_with_the_cache():
+    import gc
+
+    from autograph import known_types
+
+    cache = _static_cache()
+    with torch.no_grad():
+        _key(torch.ones(1), cache)
+    assert id(cache) in known_types._memos
+    del cache
+    gc.collect()
+    assert not known_types._memos

@@ -58,6 +58,13 @@ class ObjectKey(NamedTuple):
     kind: type
     state: tuple[Any, ...]
     tensors: tuple[Any, ...]
+    # the hash of the three above, computed once by ``finish`` (0 before, in a part no
+    # key holds): a cache's key is a large tuple, and a repeat decode step's key holds
+    # this very object (``known_types.Memo``)
+    hashed: int = 0
+
+    def __hash__(self) -> int:
+        return self.hashed
 
     @property
     def value(self) -> str:  # as ``ValueKey.value``, for ``GraphKey.describe``
@@ -94,7 +101,7 @@ def object_key(x: Any) -> tuple[ObjectKey, Walked]:
     else:
         counter = [0]
         state = walk(x, walked, type(x).__name__, 0, counter)
-    return _new(ObjectKey, (type(x), state, ())), walked
+    return _new(ObjectKey, (type(x), state, (), 0)), walked  # hashed once finished
 
 
 def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
@@ -134,7 +141,9 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
                                f"the call on {device}")
         keys.append(_new(ObjectTensor, (t.shape, t.stride(), t.dtype, tdev,
                                         t.data_ptr() if t.numel() else 0, version)))
-    finished = _new(ObjectKey, (part.kind, part.state, tuple(keys)))
+    tensors = tuple(keys)
+    finished = _new(ObjectKey, (part.kind, part.state, tensors,
+                                hash((part.kind, part.state, tensors))))
     if memo is not None and not grad and not versions and part.state is memo.state:
         memo.done = (device, finished, _metadata(walked.tensors))
     return finished

@@ -12,7 +12,9 @@ are rebuilt as the same view of the caller's tensor, as eager mode would return 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -166,11 +168,65 @@ def output_builder(
         build_one.pool_outputs = pool_outputs  # type: ignore[attr-defined]
         return build_one
 
-    def build(call_leaves: list[Any]) -> Any:
-        return pytree.tree_unflatten([make(call_leaves) for make in makers], spec)
+    record = _record_maker(output, spec, flat)
+    if record is not None:
+        def build(call_leaves: list[Any]) -> Any:
+            return record([make(call_leaves) for make in makers])
+    else:
+        def build(call_leaves: list[Any]) -> Any:
+            return pytree.tree_unflatten([make(call_leaves) for make in makers], spec)
 
     build.pool_outputs = pool_outputs  # type: ignore[attr-defined]
     return build
+
+
+def _record_maker(output: Any, spec: Any, values: list[Any]
+                  ) -> Callable[[list[Any]], Any] | None:
+    """A faster ``tree_unflatten`` for an output that is a dataclass and an OrderedDict
+    whose items are all leaves (a transformers ``ModelOutput``): pytree rebuilds it
+    through its ``__init__`` and checks, about 10 µs on every replay; this makes the
+    object without them, with the attributes and items unflatten gives.  Only where
+    that object is nothing but its items: its attributes are its dataclass fields, each
+    an item (the same value) or None; and where it gives exactly what unflatten gives
+    for the capture's own values (type, items in order, attributes, by identity).
+    None otherwise (pytree then)."""
+    cls = type(output)
+    if (not isinstance(output, OrderedDict) or not dataclasses.is_dataclass(output)
+            or spec.type is not cls or not all(c.is_leaf() for c in _children(spec))):
+        return None
+    try:
+        want = pytree.tree_unflatten(values, spec)
+        names = list(want.keys())
+        attrs = dict(want.__dict__)
+        fields = {f.name for f in dataclasses.fields(cls)}
+    except Exception:  # noqa: BLE001 - an unusual layout: pytree stays the one way
+        return None
+    if (len(names) != len(values) or attrs.keys() != fields
+            or any(want[n] is not v or attrs.get(n) is not v for n, v in zip(names, values))
+            or any(v is not None for k, v in attrs.items() if k not in names)):
+        return None
+    new, setitem = OrderedDict.__new__, OrderedDict.__setitem__
+
+    def make(leaves: list[Any]) -> Any:
+        obj = new(cls)
+        d = obj.__dict__
+        d.update(attrs)  # the None fields (the items' are set next)
+        for name, value in zip(names, leaves):
+            setitem(obj, name, value)
+            d[name] = value
+        return obj
+
+    got = make(values)
+    if (type(got) is not cls or list(got.keys()) != names
+            or got.__dict__.keys() != attrs.keys()
+            or any(v is not attrs[k] for k, v in got.__dict__.items())
+            or any(a is not b for a, b in zip(got.values(), values))):
+        return None
+    return make
+
+
+def _children(spec: Any) -> list[Any]:
+    return spec.children() if hasattr(spec, "children") else spec.children_specs  # type: ignore
 
 
 def _argument_object(i: int) -> Callable[[list[Any]], Any]:

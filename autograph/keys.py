@@ -196,19 +196,16 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
                 raise Uncapturable(EagerReason.SEVERAL_DEVICES)
             parts.append(part)
             tensor_pos.append(i)
-        else:
-            try:
-                parts.append(leaf_key(x))
-            except Uncapturable:
-                if not is_object(x):
-                    raise
-                if open_mapping(x):
-                    raise _Reopen() from None
-                opart, walked = object_key(x)  # an object holding tensors (objects.py)
-                parts.append(opart)
-                if objs is None:
-                    objs = []
-                objs.append((i, walked))
+        elif FLAT(tx) or not is_object(x):  # a value (or unkeyable: leaf_key says why)
+            parts.append(leaf_key(x))
+        else:  # what leaf_key refuses and is no tensor (no exception on every call)
+            if open_mapping(x):
+                raise _Reopen()
+            opart, walked = object_key(x)  # an object holding tensors (objects.py)
+            parts.append(opart)
+            if objs is None:
+                objs = []
+            objs.append((i, walked))
     return tuple(parts), tuple(tensor_pos), device, objs
 
 

@@ -4,12 +4,19 @@ A keyer returns the same kind of structure the general walk (``walk.walk``) give
 appends the object's tensors to the :class:`~autograph.walk.Walked`, without the
 recursion.  transformers' keyers are registered when ``transformers.cache_utils`` is
 already imported: autograph never imports transformers itself.
+
+A ``StaticCache`` is keyed on every decode step of ``generate()``, and between two steps
+nothing in it is rebound: its keyer keeps a record of the last keying (:class:`Memo`)
+and reuses it while every attribute it read is the very same object, so a repeat costs
+identity checks and the tensors' metadata (read again by ``objects.finish``).
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
+from operator import is_
 from typing import Any
 
 import torch
@@ -58,19 +65,29 @@ def _register_transformers(cache_utils: Any) -> None:
 
     def key_static(cache: Any, walked: Walked) -> Any:
         d = cache.__dict__
+        memo = _memos.get(id(cache))
+        if memo is not None and memo.ref() is cache and memo.unchanged(d):
+            walked.tensors.extend(memo.tensors)
+            walked.paths.extend(memo.paths)
+            walked.memo = memo
+            return memo.state
         layers = d.get("layers")
         if type(layers) is not list or any(type(layer) not in layer_types for layer in layers):
             counter = [0]
             return walk(cache, walked, type(cache).__name__, 0, counter)
         append_t, append_p = walked.tensors.append, walked.paths.append
         parts = []
+        seen: list[Any] | None = []  # per layer (layer, type, names, kinds, values)
         for i, layer in enumerate(layers):
             ld = layer.__dict__
             kinds = tuple(map(type, ld.values()))
             if not _PLAIN_KINDS.issuperset(kinds):  # a float, a container: the walk
                 counter = [0]
                 parts.append(walk(layer, walked, f"StaticCache.layers[{i}]", 1, counter))
+                seen = None
                 continue
+            if seen is not None:
+                seen.append((layer, type(layer), tuple(ld), kinds, tuple(ld.values())))
             # names, types and values, a tensor's value None (its key comes from finish())
             values: list[Any] = []
             for name, v in ld.items():
@@ -87,14 +104,81 @@ def _register_transformers(cache_utils: Any) -> None:
         for name, v in d.items():
             if name == "layers":
                 continue
+            if type(v) not in _PLAIN_KINDS or type(v) is _Tensor:
+                seen = None
             counter = [0]
             rest.append((name, walk(v, walked, f"StaticCache.{name}", 1, counter)))
-        return ("static_cache", tuple(parts), tuple(rest))
+        state = ("static_cache", tuple(parts), tuple(rest))
+        if seen is not None and walked.counters is None:  # counters: keyed by phase
+            walked.memo = _remember(cache, d, layers, seen, state, walked)
+        return state
 
     register(static_cache, key_static)
 
 
 _COUNTER = "cumulative_length_int"
+
+
+class Memo:
+    """What the last keying of one ``StaticCache`` read and gave, to key it again
+    without the work while nothing it read has changed: the cache's attribute names and
+    values, its ``layers`` list and, per layer, the layer, its type and its attributes'
+    names, types and values, all compared by identity (a rebound attribute, an equal
+    but new int, a new tensor: the full keying again).  The tensors' metadata is read
+    on every call all the same (``objects.finish``: an in-place ``resize_`` or ``.data =``
+    keeps the tensor object), and ``done`` is the finished key it gave last.
+
+    Only a cache whose values are all plain (tensors, ints, bools, strings, None,
+    dtypes, devices) and has no host counter is remembered: the values held here are
+    the cache's own, and the record goes when the cache does."""
+
+    __slots__ = ("ref", "names", "values", "layers", "per_layer", "state", "tensors",
+                 "paths", "done")
+
+    def __init__(self, cache: Any, d: dict[str, Any], layers: list[Any], seen: list[Any],
+                 state: Any, walked: Walked) -> None:
+        key = id(cache)
+        self.ref = weakref.ref(cache, lambda r: _forget(key, r))
+        self.names, self.values = tuple(d), tuple(d.values())
+        self.layers, self.per_layer = layers, tuple(seen)
+        self.state = state
+        self.tensors, self.paths = tuple(walked.tensors), tuple(walked.paths)
+        # (device, the finished ObjectKey, the tensors' metadata), set by objects.finish
+        self.done: tuple[Any, Any, Any] | None = None
+
+    def unchanged(self, d: dict[str, Any]) -> bool:
+        """Whether the cache (its ``__dict__``, ``d``) is as this record read it."""
+        if tuple(d) != self.names or not all(map(is_, d.values(), self.values)):
+            return False
+        layers = self.layers
+        for layer, (was, kind, names, kinds, values) in zip(layers, self.per_layer):
+            if layer is not was or type(layer) is not kind:
+                return False
+            ld = layer.__dict__
+            if (tuple(ld) != names or tuple(map(type, ld.values())) != kinds
+                    or not all(map(is_, ld.values(), values))):
+                return False
+        return len(layers) == len(self.per_layer)
+
+
+# id(cache) -> its record, dropped with the cache (a few caches at most at a time)
+_memos: dict[int, Memo] = {}
+_MAX_MEMOS = 16
+
+
+def _remember(cache: Any, d: dict[str, Any], layers: list[Any], seen: list[Any],
+              state: Any, walked: Walked) -> Memo:
+    memo = Memo(cache, d, layers, seen, state, walked)
+    if len(_memos) >= _MAX_MEMOS:
+        _memos.clear()
+    _memos[id(cache)] = memo
+    return memo
+
+
+def _forget(key: int, ref: Any) -> None:
+    memo = _memos.get(key)
+    if memo is not None and memo.ref is ref:
+        del _memos[key]
 
 
 def _phase(walked: Walked, i: int, value: int, window: Any) -> Any:

@@ -58,6 +58,13 @@ class ObjectKey(NamedTuple):
     kind: type
     state: tuple[Any, ...]
     tensors: tuple[Any, ...]
+    # the hash of the three above, computed once by ``finish`` (0 before, in a part no
+    # key holds): a cache's key is a large tuple, and a repeat decode step's key holds
+    # this very object (``known_types.Memo``)
+    hashed: int = 0
+
+    def __hash__(self) -> int:
+        return self.hashed
 
     @property
     def value(self) -> str:  # as ``ValueKey.value``, for ``GraphKey.describe``
@@ -94,15 +101,29 @@ def object_key(x: Any) -> tuple[ObjectKey, Walked]:
     else:
         counter = [0]
         state = walk(x, walked, type(x).__name__, 0, counter)
-    return _new(ObjectKey, (type(x), state, ())), walked
+    return _new(ObjectKey, (type(x), state, (), 0)), walked  # hashed once finished
 
 
 def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     """Complete ``part`` once the call's device is known: each tensor's key, with the
-    version counter of a host tensor when the call runs elsewhere."""
+    version counter of a host tensor when the call runs elsewhere.
+
+    A keyer's record of the object's last keying (``walked.memo``: the same object
+    with nothing rebound, see ``known_types.Memo``) gives the key it finished last when
+    every tensor's shape, strides, dtype, device and address are as then (no host
+    tensor next to device work, not under grad mode).  Its type is the record's to check
+    (``__class__`` can be assigned); its layout cannot change (a strided tensor's
+    ``set_``/``.data =`` take strided tensors only)."""
+    memo = walked.memo
+    grad = torch.is_grad_enabled()
+    if memo is not None and not grad:
+        done = memo.done
+        if (done is not None and done[0] == device and part.state is memo.state
+                and done[2] == _metadata(walked.tensors)):
+            return done[1]  # type: ignore[no-any-return]
     keys = []
     host = device.type != "cpu"
-    grad = torch.is_grad_enabled()
+    versions = False
     for k, t in enumerate(walked.tensors):
         if type(t) not in _PLAIN or t.layout is not _strided:
             raise Uncapturable(EagerReason.UNKEYABLE, f"{walked.path(k)}: a {t.layout} tensor "
@@ -114,12 +135,24 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
             version = None
         elif host and tdev.type == "cpu":
             version = _host_version(t, walked.path(k))
+            versions = True
         else:
             raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{walked.path(k)} is on {tdev}, "
                                f"the call on {device}")
         keys.append(_new(ObjectTensor, (t.shape, t.stride(), t.dtype, tdev,
                                         t.data_ptr() if t.numel() else 0, version)))
-    return _new(ObjectKey, (part.kind, part.state, tuple(keys)))
+    tensors = tuple(keys)
+    finished = _new(ObjectKey, (part.kind, part.state, tensors,
+                                hash((part.kind, part.state, tensors))))
+    if memo is not None and not grad and not versions and part.state is memo.state:
+        memo.done = (device, finished, _metadata(walked.tensors))
+    return finished
+
+
+def _metadata(tensors: Any) -> list[tuple[Any, ...]]:
+    """What :func:`finish` reads of each tensor (a raw address: equal raw addresses and
+    shapes give equal keys)."""
+    return [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) for t in tensors]
 
 
 def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:

@@ -32,7 +32,7 @@ _UNOPENED = (set, frozenset, torch.nn.Module)
 class Walked:
     """One object argument as walked: the tensors it holds (with their paths)."""
 
-    __slots__ = ("obj", "tensors", "paths", "counters")
+    __slots__ = ("obj", "tensors", "paths", "counters", "memo")
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
@@ -42,6 +42,9 @@ class Walked:
         self.paths: list[Any] = []
         # Python ints keyed by phase, not value (``counters.Counter``; set by a keyer)
         self.counters: list[Any] | None = None
+        # a keyer's record of this object's last keying (``known_types.Memo``), which
+        # ``objects.finish`` reuses when the tensors' metadata is unchanged
+        self.memo: Any = None
 
     def path(self, k: int) -> str:
         """Where the ``k``-th tensor sits in the object, as text."""

@@ -2,10 +2,12 @@
 methods (generate), on the CPU stand-in; transformers tests skip without it."""
 
 import dataclasses
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import autograph
 from autograph.keys import key_call
@@ -156,6 +158,67 @@ def test_graphed_module_graphs_the_calls_its_own_methods_make():
     assert g.state_dict().keys() == m.state_dict().keys()  # nn.Module's own API unwrapped
 
 
+@dataclasses.dataclass
+class _Record(OrderedDict):
+    """A ModelOutput-like record: a dataclass and an OrderedDict of its non-None fields."""
+
+    out: torch.Tensor | None = None
+    extra: torch.Tensor | None = None
+    derived: torch.Tensor | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                OrderedDict.__setitem__(self, f.name, getattr(self, f.name))
+
+
+class _Derived(_Record):
+    """Sets an attribute from its items: not a plain record (pytree rebuilds it)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        object.__setattr__(self, "total", self["out"].sum())
+
+
+for _cls in (_Record, _Derived):
+    pytree.register_pytree_node(
+        _cls, lambda r: (list(r.values()), list(r.keys())),
+        lambda values, keys, cls=_cls: cls(**dict(zip(keys, values))),
+        serialized_type_name=f"test_objects.{_cls.__name__}")
+
+
+@pytest.mark.parametrize("cls", [_Record, _Derived])
+def test_record_outputs_are_rebuilt_as_pytree_would(cls, monkeypatch):
+    """A dataclass-OrderedDict output (transformers' ModelOutput) is made on replay
+    without its __init__ only where it is nothing but its items; else through pytree."""
+    lin = nn.Linear(4, 4)
+    unflatten, rebuilt = pytree.tree_unflatten, []
+
+    def counted(values, spec):
+        rebuilt.append(spec.type)
+        return unflatten(values, spec)
+
+    def f(x):
+        y = lin(x)
+        return cls(out=y, extra=y * 2)
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for i in range(6):
+            if i == 3:  # captured: from here on replays
+                monkeypatch.setattr(pytree, "tree_unflatten", counted)
+            x = torch.randn(2, 4)
+            got, want = g(x), f(x)
+            assert type(got) is cls and list(got.keys()) == ["out", "extra"]
+            torch.testing.assert_close(got.out, want.out)
+            torch.testing.assert_close(got["extra"], want.extra)
+            assert got.derived is None and got.__dict__.keys() == want.__dict__.keys()
+            if cls is _Derived:
+                torch.testing.assert_close(got.total, want.total)
+    assert autograph.stats(g)["replays"] == 3
+    assert rebuilt.count(cls) == (3 if cls is _Derived else 0)
+
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -239,3 +302,111 @@ def test_sentence_transformers_encode_with_buckets(monkeypatch):
         torch.testing.assert_close(got[2 * i + 1], w)
     (s,) = region.stats().values()
     assert s["replays"] >= 1 and s["eager_reasons"].keys() <= {"warmup"}, s
+
+
+def _static_cache(layers=2):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, max_position_embeddings=128)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=8)
+    cache.early_initialization(batch_size=1, num_heads=2, head_dim=8, dtype=torch.float32,
+                               device=torch.device("cpu"))
+    return cache
+
+
+def _mutations():
+    """Changes to a StaticCache between two keyings, each named, with whether the key
+    must change (every one must be seen by the memo of the last keying)."""
+    def rebind(c):
+        c.layers[0].keys = torch.zeros_like(c.layers[0].keys)
+
+    def same_view(c):  # a new tensor object at the same address and geometry
+        c.layers[1].values = c.layers[1].values.view(c.layers[1].values.shape)
+
+    def resize(c):
+        c.layers[0].values.resize_(1, 2, 4, 8)
+
+    def transpose(c):
+        c.layers[1].keys.transpose_(2, 3)
+
+    def data_dtype(c):
+        c.layers[0].keys.data = c.layers[0].keys.data.to(torch.float64)
+
+    def set_storage(c):
+        c.layers[1].keys.set_(torch.zeros_like(c.layers[1].keys))
+
+    def scalar(c):
+        c.layers[0].max_cache_len = 9
+
+    def equal_new_int(c):  # equal but another object: a miss, the same key
+        c.layers[1].max_cache_len = int("8")
+
+    def flag(c):
+        c.layers[1].is_initialized = False
+
+    def rename(c):  # the last attribute deleted and another with its value added
+        layer = c.layers[0]
+        last = list(vars(layer))[-1]
+        value = vars(layer).pop(last)
+        layer.other = value
+
+    def subclass(c):
+        class Sub(torch.Tensor):
+            pass
+        c.layers[0].keys.__class__ = Sub
+
+    def layer_list(c):
+        c.layers.append(c.layers[0])
+
+    def layer_swap(c):
+        c.layers[0], c.layers[1] = c.layers[1], c.layers[0]
+
+    def attribute(c):
+        c.offloading = True
+
+    def new_attribute(c):
+        c.extra = 1
+
+    return {f.__name__: (f, f not in (same_view, equal_new_int)) for f in (
+        rebind, same_view, resize, transpose, data_dtype, set_storage, scalar, equal_new_int,
+        flag, rename, subclass, layer_list, layer_swap, attribute, new_attribute)}
+
+
+@pytest.mark.parametrize("name", list(_mutations()))
+def test_static_cache_key_memo_sees_every_change(name):
+    """A repeat keying of a StaticCache reuses its last keying while nothing it read
+    changed (known_types.Memo); any change gives the key the full keying gives."""
+    from autograph import known_types
+
+    change, differs = _mutations()[name]
+    cache = _static_cache()
+    x = torch.ones(1)
+    with torch.no_grad():
+        before = _key(x, cache)
+        assert _key(x, cache) == before and id(cache) in known_types._memos
+        try:
+            change(cache)
+            memo = _key(x, cache)
+        except Exception as exc:  # noqa: BLE001 - unkeyable now: so must the full keying be
+            memo = type(exc)
+        known_types._memos.clear()
+        try:
+            full = _key(x, cache)
+        except Exception as exc:  # noqa: BLE001
+            full = type(exc)
+    assert memo == full
+    assert (memo != before) is differs
+
+
+def test_static_cache_key_memo_goes_with_the_cache():
+    import gc
+
+    from autograph import known_types
+
+    cache = _static_cache()
+    with torch.no_grad():
+        _key(torch.ones(1), cache)
+    assert id(cache) in known_types._memos
+    del cache
+    gc.collect()
+    assert not known_types._memos

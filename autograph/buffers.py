@@ -206,6 +206,9 @@ def _record_maker(output: Any, spec: Any, values: list[Any]
             or any(v is not None for k, v in attrs.items() if k not in names)):
         return None
     new, setitem = OrderedDict.__new__, OrderedDict.__setitem__
+    # every attribute None (the items' are set per call): the capture's own values are
+    # not kept (an object argument passed through, a cache, would stay alive with them)
+    attrs = dict.fromkeys(attrs)
 
     def make(leaves: list[Any]) -> Any:
         obj = new(cls)

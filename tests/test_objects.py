@@ -2,6 +2,8 @@
 methods (generate), on the CPU stand-in; transformers tests skip without it."""
 
 import dataclasses
+import gc
+import weakref
 from collections import OrderedDict
 
 import pytest
@@ -180,7 +182,20 @@ class _Derived(_Record):
         object.__setattr__(self, "total", self["out"].sum())
 
 
-for _cls in (_Record, _Derived):
+@dataclasses.dataclass
+class _Passing(OrderedDict):
+    """A record that passes an object argument through (``past_key_values``)."""
+
+    out: torch.Tensor | None = None
+    holder: object = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                OrderedDict.__setitem__(self, f.name, getattr(self, f.name))
+
+
+for _cls in (_Record, _Derived, _Passing):
     pytree.register_pytree_node(
         _cls, lambda r: (list(r.values()), list(r.keys())),
         lambda values, keys, cls=_cls: cls(**dict(zip(keys, values))),
@@ -217,6 +232,46 @@ def test_record_outputs_are_rebuilt_as_pytree_would(cls, monkeypatch):
                 torch.testing.assert_close(got.total, want.total)
     assert autograph.stats(g)["replays"] == 3
     assert rebuilt.count(cls) == (3 if cls is _Derived else 0)
+
+
+_CACHE = torch.zeros(2, 4)
+
+
+class _Holder:
+    """An object argument holding a tensor the call writes (a cache; a new view of one
+    storage, so that every holder keys alike)."""
+
+    def __init__(self):
+        self.t = _CACHE[:]
+
+
+def test_a_graph_keeps_no_object_argument_of_its_capture_alive(standin):
+    """A record output that passes an object argument through (a ModelOutput's
+    ``past_key_values``) keeps no reference to the capture's object: transformers makes
+    a new cache per ``generate()``, and a graph holding the old one would keep its
+    memory (and its addresses) for ever."""
+    lin = nn.Linear(4, 4)
+
+    def f(x, holder):
+        holder.t.add_(lin(x))
+        return _Passing(out=holder.t * 2, holder=holder)
+
+    g = autograph.graphed(f)
+    refs = []
+    with torch.no_grad():
+        for _ in range(4):  # warm up, capture, replay on new objects each time
+            holder = _Holder()
+            x = torch.randn(2, 4)
+            want = (_CACHE + lin(x)) * 2
+            got = g(x, holder)
+            assert got.holder is holder and got["holder"] is holder
+            torch.testing.assert_close(got.out, want)
+            refs.append(weakref.ref(holder))
+            del holder, got
+    gc.collect()
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["replays"] >= 1, s
+    assert [r() for r in refs] == [None] * 4
 
 
 transformers = pytest.importorskip("transformers")

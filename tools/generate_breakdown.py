@@ -3,7 +3,8 @@
 For each path: wall milliseconds per new token, the device time per token (the sum of
 kernel times in a torch.profiler trace of one generate, divided by the new tokens), and,
 for autograph, the host time spent inside autograph per decode call (keying, guards,
-launching the replay).  Wall minus device time is what the host adds (generate's own
+launching the replay; the host time of one ``cudaGraphLaunch`` from the profiler
+trace).  Wall minus device time is what the host adds (generate's own
 loop waits on the device once per token to test for the end).
 
     PYTHONPATH=. python tools/generate_breakdown.py [--new 128]
@@ -13,6 +14,7 @@ import argparse
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import autograph
@@ -21,14 +23,19 @@ from autograph.dispatch import Engine
 
 
 def device_ms(fn):
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    """(kernel milliseconds of one run of ``fn``, host microseconds per
+    ``cudaGraphLaunch`` in it or NaN), from one torch.profiler trace."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total_us = 0.0
+    total_us, launch_us = 0.0, float("nan")
     for evt in prof.key_averages():
-        total_us += getattr(evt, "self_device_time_total", 0.0) or getattr(
-            evt, "self_cuda_time_total", 0.0)
-    return total_us / 1e3
+        if evt.key == "cudaGraphLaunch" and evt.count:
+            launch_us = evt.cpu_time_total / evt.count
+        if evt.device_type == DeviceType.CUDA:  # kernels and copies, not the CPU ops
+            total_us += getattr(evt, "self_device_time_total", 0.0) or getattr(
+                evt, "self_cuda_time_total", 0.0)
+    return total_us / 1e3, launch_us
 
 
 def wall_ms(fn, runs=3):
@@ -40,23 +47,6 @@ def wall_ms(fn, runs=3):
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
-
-
-def launch_us(fast):
-    """Host microseconds of ``CUDAGraph.replay()`` of the decode step's graph."""
-    engine = fast._self_engine
-    ready = [e for e in engine.cache.entries.values() if e.graph is not None]
-    if not ready:
-        return float("nan")
-    graph = max(ready, key=lambda e: e.used).graph.graph
-    times = []
-    for _ in range(50):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        graph.replay()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return 1e6 * sorted(times)[len(times) // 2]
 
 
 def profiled(fn):
@@ -105,7 +95,8 @@ def main():
         for name, fn in paths.items():
             fn()  # set-up, capture, compilation
             wall = wall_ms(fn) / args.new
-            dev = device_ms(fn) / args.new
+            dev, launch = device_ms(fn)
+            dev /= args.new
             line = (f"{name:<24} wall {wall:7.3f} ms/token   device {dev:7.3f} ms/token   "
                     f"host-added {wall - dev:7.3f}")
             if name == "autograph":
@@ -121,7 +112,7 @@ def main():
                          f"which keying {1e6 * keys[len(keys) // 2]:6.1f} us")
             print(line, flush=True)
             if name == "autograph":
-                print(f"    graph launch (host, queue empty): {launch_us(fast):6.1f} us")
+                print(f"    graph launch (host, per cudaGraphLaunch, profiled): {launch:6.1f} us")
             if name == "autograph" and args.profile:
                 profiled(fn)
 

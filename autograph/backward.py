@@ -94,10 +94,10 @@ class Trained(replay.Captured):
 
     def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
-                 spill_set: list[torch.Tensor] | None) -> None:
+                 spill_set: list[torch.Tensor] | None, reuse: bool = False) -> None:
         super().__init__(base.graph, base.static, base.build, cast(Backend, backend),
                          base.device, base.seeded, base.hidden, base.state_written,
-                         base.inplace)
+                         base.inplace, reuse)
         self.watch = watch
         self.stats = stats
         flat_out, self.spec = pytree.tree_flatten(out)
@@ -135,7 +135,8 @@ class Trained(replay.Captured):
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
         """The call: a replay inside :class:`_Replay`, or :data:`replay.HELD` (the
-        engine then runs the call eagerly for ``held_reason``)."""
+        engine then runs the call eagerly for ``held_reason``).  With ``reuse`` (see
+        :meth:`lend`) a call that finds an earlier output held returns HELD too."""
         lock = self.pool.lock
         sources, spec, pool_idx = self.sources, self.spec, self.pool_idx
         state, inputs_state = self.state, self.inputs_state
@@ -152,6 +153,9 @@ class Trained(replay.Captured):
             with lock:
                 if self.spill_set is None and self._pending():
                     return self._hold()
+                if self.reuse and self.outputs_held():
+                    self.held_reason = None  # the engine counts it as outputs_protected
+                    return _HELD
                 outs = _apply(self, leaves, flat_box, *inputs)
             if self.single is not None:
                 return outs[0]
@@ -162,6 +166,20 @@ class Trained(replay.Captured):
 
         flags_list = list(self.flags)
         return run
+
+    def lend(self) -> None:
+        """``outputs="reuse"``: hand the single output out as an alias of the graph's own
+        tensor (no copy, as ``make_graphed_callables`` does); a call that finds an
+        earlier one still held runs eagerly.  Not where the captured graph saved the
+        output (a backward's restore of a spilled call would write under the alias),
+        nor for several outputs: those are cloned."""
+        single = self.single
+        if single is None or self.spill_set is None or replay.use_count is None:
+            self.reuse = False
+            return
+        where = single.untyped_storage()._cdata
+        saved = self.spill_set + self.saved_state
+        self.reuse = all(t.untyped_storage()._cdata != where for t in saved)
 
     def _pending(self) -> bool:
         owner = self.owner
@@ -192,7 +210,7 @@ class Trained(replay.Captured):
         call = self.owner = _Call(alive)
         single = self.single
         if single is not None:
-            return call, (single.clone(),)
+            return call, (single.detach() if self.reuse else single.clone(),)
         flat = pytree.tree_leaves(self.build(leaves))
         box.append(flat)
         return call, tuple(flat[j] for j in self.pool_idx)

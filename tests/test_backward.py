@@ -612,3 +612,34 @@ def test_gradients_are_handed_out_without_copies_and_kept_ones_stay_intact():
         assert all(torch.equal(a, b) for a, b in zip(kept_grads, want))
     s = autograph.stats(g)
     assert s["backward_captures"] == 2 and s["backward_eager"] == 1  # the spare: at once
+
+
+def test_outputs_reuse_lends_the_single_output_and_protects_a_held_one():
+    """``outputs="reuse"`` in training: the output is the graph's own tensor (no copy);
+    a call made while an earlier output is held runs eagerly; gradients equal eager's."""
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model, warmup=1, outputs="reuse")
+    data = batches((6, 8), 4)
+    for x, y in data[:4]:
+        for m, f in ((eager, eager), (model, g)):
+            m.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(f(x), y).backward()
+        for a, b in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    trained = _trained(g)
+    assert trained.reuse
+    (x0, _), (x1, _) = data[4], data[5]
+    model.zero_grad()
+    eager.zero_grad()
+    a = g(x0)
+    assert a.data_ptr() == trained.single.data_ptr()  # lent, not copied
+    want = eager(x0).detach()
+    b = g(x1)  # a is held: b runs eagerly
+    assert torch.equal(a, want) and torch.equal(b, eager(x1))
+    (a.square().sum() + b.square().sum()).backward()
+    (eager(x0).square().sum() + eager(x1).square().sum()).backward()
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    s = autograph.stats(g)
+    assert s["outputs_protected"] == 1 and s["eager_reasons"]["outputs_held"] == 1

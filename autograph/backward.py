@@ -53,6 +53,7 @@ from .stats import Stats
 from .vocab import EagerReason, logger
 
 _HELD = replay.HELD
+_TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
 
 
 class _OnPool:
@@ -61,6 +62,7 @@ class _OnPool:
     def __init__(self, backend: Backend, pool: Pool) -> None:
         self._backend = backend
         self._pool = pool
+        self.order_replay = backend.order_replay  # per call: not through __getattr__
 
     def capture(self, device: torch.device, fn: Callable[[], Any],
                 pool: Pool | None = None) -> Any:
@@ -304,7 +306,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graph: Trained, leaves: Any, box: list[list[Any]],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        token = torch.empty(0)  # alive while this call's backward may still run
+        token = _TOKEN.detach()  # alive while this call's backward may still run
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
         ctx.graph = graph
         ctx.call = call

@@ -29,6 +29,7 @@ import torch
 from .buffers import _foreach_copy
 
 use_count = getattr(torch._C, "_storage_Use_Count", None)
+_lt = int.__lt__
 
 
 def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
@@ -43,26 +44,27 @@ def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
 class GradGraph:
     """A captured backward graph and the buffers it reads and writes."""
 
-    __slots__ = ("graph", "grad_in", "grad_out", "handout", "holders")
+    __slots__ = ("graph", "grad_in", "grad_out", "handout", "holders", "counts")
 
     def __init__(self, graph: Any, grad_in: list[torch.Tensor],
                  grad_out: list[torch.Tensor | None], handout: bool) -> None:
         self.graph = graph
         self.grad_in = grad_in  # the gradients of the outputs, copied in per call
         self.grad_out = grad_out  # one per target; None: no gradient reaches it
-        # (storage handle, use count with nothing handed out) per buffer handed out
-        self.holders: tuple[tuple[int, int], ...] = ()
+        # the storage handles of the buffers handed out, and their use counts with
+        # nothing handed out
+        self.holders: tuple[int, ...] = ()
+        self.counts: tuple[int, ...] = ()
         if handout and use_count is not None:
-            cdatas = [g.untyped_storage()._cdata for g in grad_out if g is not None]
-            self.holders = tuple((c, use_count(c)) for c in cdatas)
+            self.holders = tuple(g.untyped_storage()._cdata for g in grad_out if g is not None)
+            self.counts = tuple(map(use_count, self.holders))
         else:
             handout = False
         self.handout = handout
 
     def held(self) -> bool:
         """Whether a replay would overwrite a gradient handed out earlier and still held."""
-        use = use_count
-        return any(use(c) > n for c, n in self.holders)  # type: ignore[misc]
+        return any(map(_lt, self.counts, map(use_count, self.holders)))  # type: ignore
 
     def run(self, wanted: list[Any]) -> list[torch.Tensor | None]:
         """Copy the output gradients in, replay, hand out the targets' gradients."""

@@ -15,13 +15,16 @@ training:
 * Every call runs :class:`_Replay`, an ``autograd.Function`` whose inputs are the
   caller's tensors that require grad and the parameters that do: autograd accumulates
   into ``.grad`` as in eager mode (``set_to_none``, accumulation, hooks on parameters,
-  ``retain_graph``), and the outputs are clones, safe to keep.
+  ``retain_graph``), and the outputs are clones, safe to keep (with ``outputs="reuse"``
+  a single output is lent uncopied, see :meth:`Trained.lend`).
 * The backward graph is captured lazily, as torch's ``make_graphed_callables`` captures
   it (``torch.autograd.grad`` of the captured forward's autograd graph, on the calling
   thread, outside the autograd engine): the first backward of a key runs that autograd
   graph eagerly (it reads the static memory the replay just wrote), and the key's next
-  call captures it; later backwards replay it.  A forward whose outputs are never
-  backpropagated never captures one.
+  call captures it; later backwards replay it, handing out its own gradient buffers
+  for ``AccumulateGrad`` to adopt, with a spare graph for calls that find them still
+  held (``gradgraph``).  A forward whose outputs are never backpropagated never
+  captures one.
 * A replay overwrites what the previous call of the graph saved for its backward (the
   *spill set*: every tensor the captured autograd graph saved that is no parameter or
   buffer: static inputs, activations, outputs).  One call at a time *owns* the spill

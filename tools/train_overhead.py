@@ -6,18 +6,19 @@ nothing), so what remains is the Python and the torch operators around the graph
 Prints best-of-N microseconds per step and the torch operators each step launches
 (views apart: no kernel on a GPU, where each other operator costs a launch) for:
 
-* ``autograph``: ``graphed(model)``;
+* ``autograph``: ``graphed(model)``, and with ``outputs="reuse"`` (no output copy);
 * ``make_graphed_callables``: an ``autograd.Function`` doing what torch's
   ``make_graphed_callables`` does per call (copy the input in, replay, hand out the
   static outputs; copy the output gradient in, replay, hand out the static gradients),
   with the same null graph: the floor for graphing forward and backward;
 * ``eager``: the model itself on the CPU (its kernels included, for scale).
 
-    PYTHONPATH=.:tests python tools/train_overhead.py [--batch 1] [--width 256]
+    PYTHONPATH=.:tests python tools/train_overhead.py [--batch 1] [--width 256] [--cpu-time]
 """
 
 import argparse
 import sys
+import time
 
 import torch
 from timing import best  # tools/timing.py (tools run as scripts)
@@ -107,6 +108,8 @@ def main():
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--n", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time this thread's CPU time (steadier on a loaded machine)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -119,10 +122,13 @@ def main():
             nn.functional.mse_loss(forward(x), y).backward()
         return step
 
+    clock = time.thread_time if a.cpu_time else time.perf_counter
     undo = use_backend(NullBackend())
     try:
         g = autograph.graphed(model, warmup=1)
+        reuse = autograph.graphed(model, warmup=1, outputs="reuse")
         rows = {"autograph (null replay)": stepper(g),
+                "autograph outputs=reuse": stepper(reuse),
                 "make_graphed_callables-like": stepper(graphed_callable(model, x)),
                 "eager model (CPU kernels)": stepper(model)}
         for _ in range(5):
@@ -133,7 +139,7 @@ def main():
         times = {name: [] for name in rows}
         for _ in range(a.rounds):  # interleaved: a shared machine's load hits all rows
             for name, step in rows.items():
-                times[name].append(best(step, a.n, rounds=1))
+                times[name].append(best(step, a.n, rounds=1, clock=clock))
         for name, step in rows.items():
             count = Count()
             with count:

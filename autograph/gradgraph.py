@@ -85,11 +85,15 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
     grad_in = [torch.zeros_like(t).detach() for t in outs]
     bufs = [torch.empty_like(t).detach() for t in targets] if handout else None
 
+    lent = [bufs is not None]
+
     def backward() -> Any:
         with torch.autocast(device.type, enabled=False):
             got = torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
                                       allow_unused=True)
-        if bufs is None:
+        if bufs is None or any(g is not None and g.layout is not torch.strided
+                               for g in got):
+            lent[0] = False  # sparse gradients: copied out after each replay
             return got
         pairs = [(b, g) for b, g in zip(bufs, got) if g is not None]
         copy_all([b for b, _ in pairs], [g for _, g in pairs])
@@ -97,4 +101,4 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
 
     run: Callable[[], Any] = backward
     graph, got = backend.capture(device, run)
-    return GradGraph(graph, grad_in, list(got), handout)
+    return GradGraph(graph, grad_in, list(got), lent[0])

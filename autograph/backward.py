@@ -15,13 +15,16 @@ training:
 * Every call runs :class:`_Replay`, an ``autograd.Function`` whose inputs are the
   caller's tensors that require grad and the parameters that do: autograd accumulates
   into ``.grad`` as in eager mode (``set_to_none``, accumulation, hooks on parameters,
-  ``retain_graph``), and the outputs are clones, safe to keep.
+  ``retain_graph``), and the outputs are clones, safe to keep (with ``outputs="reuse"``
+  a single output is lent uncopied, see :meth:`Trained.lend`).
 * The backward graph is captured lazily, as torch's ``make_graphed_callables`` captures
   it (``torch.autograd.grad`` of the captured forward's autograd graph, on the calling
   thread, outside the autograd engine): the first backward of a key runs that autograd
   graph eagerly (it reads the static memory the replay just wrote), and the key's next
-  call captures it; later backwards replay it.  A forward whose outputs are never
-  backpropagated never captures one.
+  call captures it; later backwards replay it, handing out its own gradient buffers
+  for ``AccumulateGrad`` to adopt, with a spare graph for calls that find them still
+  held (``gradgraph``).  A forward whose outputs are never backpropagated never
+  captures one.
 * A replay overwrites what the previous call of the graph saved for its backward (the
   *spill set*: every tensor the captured autograd graph saved that is no parameter or
   buffer: static inputs, activations, outputs).  One call at a time *owns* the spill
@@ -45,14 +48,15 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from . import lifecycle, replay
-from .buffers import _foreach_copy
+from . import gradgraph, lifecycle, replay
 from .capture import Backend, Pool
+from .gradgraph import GradGraph, copy_all
 from .guards import Watch
 from .stats import Stats
 from .vocab import EagerReason, logger
 
 _HELD = replay.HELD
+_TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
 
 
 class _OnPool:
@@ -61,6 +65,7 @@ class _OnPool:
     def __init__(self, backend: Backend, pool: Pool) -> None:
         self._backend = backend
         self._pool = pool
+        self.order_replay = backend.order_replay  # per call: not through __getattr__
 
     def capture(self, device: torch.device, fn: Callable[[], Any],
                 pool: Pool | None = None) -> Any:
@@ -71,15 +76,6 @@ class _OnPool:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
-
-
-def _copy(dst: list[torch.Tensor], src: list[Any]) -> None:
-    """``dst[i].copy_(src[i])`` for all i, batched where torch can."""
-    if _foreach_copy is not None and len(dst) > 1:
-        _foreach_copy(dst, src)
-    else:
-        for d, s in zip(dst, src):
-            d.copy_(s)
 
 
 class _Call:
@@ -99,14 +95,14 @@ class Trained(replay.Captured):
     __slots__ = ("watch", "stats", "spec", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
-                 "grad_in", "grad_out", "single")
+                 "spare", "spare_due", "single")
 
     def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
-                 spill_set: list[torch.Tensor] | None) -> None:
+                 spill_set: list[torch.Tensor] | None, reuse: bool = False) -> None:
         super().__init__(base.graph, base.static, base.build, cast(Backend, backend),
                          base.device, base.seeded, base.hidden, base.state_written,
-                         base.inplace)
+                         base.inplace, reuse)
         self.watch = watch
         self.stats = stats
         flat_out, self.spec = pytree.tree_flatten(out)
@@ -134,15 +130,18 @@ class Trained(replay.Captured):
         self.spill_set = spill_set  # None: unknown, a pending call holds the graph
         self.owner: _Call | None = None  # the call whose state the spill set holds
         self.held_reason: tuple[EagerReason, str] | None = None
-        self.want_backward = False
-        self.backward_graph: Any = None
-        self.grad_in: list[torch.Tensor] = []
-        self.grad_out: list[torch.Tensor | None] = []
+        self.want_backward = False  # capture the next backward graph at the next call
+        self.backward_graph: GradGraph | None = None  # hands out its gradients
+        self.spare: GradGraph | None = None  # copies them out: when the first is held
+        # whether a call needs the spare (the first one's gradients are held); until
+        # the spare is captured (or failed to)
+        self.spare_due: Callable[[], bool] | None = None
 
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
         """The call: a replay inside :class:`_Replay`, or :data:`replay.HELD` (the
-        engine then runs the call eagerly for ``held_reason``)."""
+        engine then runs the call eagerly for ``held_reason``).  With ``reuse`` (see
+        :meth:`lend`) a call that finds an earlier output held returns HELD too."""
         lock = self.pool.lock
         sources, spec, pool_idx = self.sources, self.spec, self.pool_idx
         state, inputs_state = self.state, self.inputs_state
@@ -150,7 +149,8 @@ class Trained(replay.Captured):
         def run(leaves: Any) -> Any:
             if [t.requires_grad for t in state] != flags_list:
                 return self._hold()
-            if self.want_backward:
+            due = self.spare_due
+            if self.want_backward or (due is not None and due()):
                 self._capture_backward()
             inputs = [leaves[i] for i in sources] + inputs_state if sources \
                 else inputs_state
@@ -158,6 +158,9 @@ class Trained(replay.Captured):
             with lock:
                 if self.spill_set is None and self._pending():
                     return self._hold()
+                if self.reuse and self.outputs_held():
+                    self.held_reason = None  # the engine counts it as outputs_protected
+                    return _HELD
                 outs = _apply(self, leaves, flat_box, *inputs)
             if self.single is not None:
                 return outs[0]
@@ -168,6 +171,20 @@ class Trained(replay.Captured):
 
         flags_list = list(self.flags)
         return run
+
+    def lend(self) -> None:
+        """``outputs="reuse"``: hand the single output out as an alias of the graph's own
+        tensor (no copy, as ``make_graphed_callables`` does); a call that finds an
+        earlier one still held runs eagerly.  Not where the captured graph saved the
+        output (a backward's restore of a spilled call would write under the alias),
+        nor for several outputs: those are cloned."""
+        single = self.single
+        if single is None or self.spill_set is None or replay.use_count is None:
+            self.reuse = False
+            return
+        where = single.untyped_storage()._cdata
+        saved = self.spill_set + self.saved_state
+        self.reuse = all(t.untyped_storage()._cdata != where for t in saved)
 
     def _pending(self) -> bool:
         owner = self.owner
@@ -198,7 +215,7 @@ class Trained(replay.Captured):
         call = self.owner = _Call(alive)
         single = self.single
         if single is not None:
-            return call, (single.clone(),)
+            return call, (single.detach() if self.reuse else single.clone(),)
         flat = pytree.tree_leaves(self.build(leaves))
         box.append(flat)
         return call, tuple(flat[j] for j in self.pool_idx)
@@ -208,7 +225,7 @@ class Trained(replay.Captured):
         owner, spill = self.owner, self.spill_set
         assert owner is not None and spill is not None
         copies = [torch.empty_like(t) for t in spill]
-        _copy(copies, spill)
+        copy_all(copies, spill)
         owner.spilled = copies
         self.owner = None
         if self.stats is not None:
@@ -225,7 +242,7 @@ class Trained(replay.Captured):
         self.backend.order_replay(self.device, self.pool)
         if self._pending():
             self._spill()
-        _copy(spill, spilled)
+        copy_all(spill, spilled)
         if self.device.type == "cuda":  # freed below: not reused before the copy ran
             stream = torch.cuda.current_stream(self.device)
             for t in spilled:
@@ -236,55 +253,52 @@ class Trained(replay.Captured):
     # -- backward --------------------------------------------------------------------
     def replay_backward(self, call: _Call, grads: tuple[Any, ...]
                         ) -> list[torch.Tensor | None]:
-        """The gradients of the targets for ``call``."""
+        """The gradients of the targets for ``call``: the hand-out backward graph's,
+        the spare's while an earlier call's gradients are held, else (no graph
+        captured yet) those of the captured autograd graph, run eagerly."""
         wanted = [grads[k] for k in self.diff]
         with self.pool.lock:
             self._own(call)
-            if self.backward_graph is None:  # not captured yet: the captured autograd graph
-                self.want_backward = True
+            graph = self.backward_graph
+            if graph is not None and graph.holders and graph.held():
+                graph = self.spare
+            if graph is None:  # captured at the next call (outside the autograd engine)
+                self.want_backward = self.backward_graph is None or self.spare_due is not None
                 if self.stats is not None:
                     self.stats.backward_eager += 1
                 return list(torch.autograd.grad(self.static_diff, self.targets, wanted,
                                                 retain_graph=True, allow_unused=True))
             self.backend.order_replay(self.device, self.pool)
-            _copy(self.grad_in, wanted)
-            self.backward_graph.replay()
-            # copies: AccumulateGrad would otherwise adopt a static tensor as ``.grad``
-            got = [g for g in self.grad_out if g is not None]
-            fresh = [torch.empty_like(g) for g in got]
-            _copy(fresh, got)
-            it = iter(fresh)
-            out = [None if g is None else next(it) for g in self.grad_out]
+            out = graph.run(wanted)
         if self.stats is not None:
             self.stats.backward_replays += 1
         return out
 
     def _capture_backward(self) -> None:
-        """Capture the backward graph (at the call after the first backward)."""
-
+        """Capture the backward graph (at the call after the first backward), or the
+        spare (at a call that finds the first one's gradients held: as ``.grad`` when
+        accumulating over micro-batches, its backward will need the spare)."""
         with lifecycle.CAPTURE_LOCK:
-            if not self.want_backward:
-                return
+            first = self.backward_graph is None
+            if not (self.want_backward if first else self.spare_due is not None):
+                return  # captured by another thread, or the spare already tried
             self.want_backward = False
-            grad_in = [torch.zeros_like(t).detach() for t in self.static_diff]
-            device, targets, outs = self.device, self.targets, self.static_diff
-
-            def backward() -> Any:
-                with torch.autocast(device.type, enabled=False):
-                    return torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
-                                               allow_unused=True)
-
+            self.spare_due = None  # one try
             try:
                 with lifecycle.nested_block():
-                    graph, got = self.backend.capture(device, backward)
+                    graph = gradgraph.capture(self.backend, self.device, self.static_diff,
+                                              self.targets, handout=first)
             except lifecycle.CAPTURE_ERRORS as exc:
                 name = self.stats.name if self.stats is not None else "autograph"
                 logger.warning("%s: the backward graph could not be captured (%s): "
                                "backwards run the captured forward's autograd graph "
                                "eagerly", name, lifecycle._first_line(exc))
                 return
-            self.grad_in, self.grad_out = grad_in, list(got)
-            self.backward_graph = graph
+            if first:
+                self.backward_graph = graph
+                self.spare_due = graph.held if graph.handout else None
+            else:
+                self.spare = graph
             if self.stats is not None:
                 self.stats.backward_captures += 1
 
@@ -295,7 +309,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, graph: Trained, leaves: Any, box: list[list[Any]],
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        token = torch.empty(0)  # alive while this call's backward may still run
+        token = _TOKEN.detach()  # alive while this call's backward may still run
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
         ctx.graph = graph
         ctx.call = call

@@ -87,7 +87,8 @@ def backward_hooks(watch: Watch) -> str | None:
 
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
-            watch: Watch, inplace: tuple[int, ...], stats: Stats | None = None) -> Trained:
+            watch: Watch, inplace: tuple[int, ...], stats: Stats | None = None,
+            reuse: bool = False) -> Trained:
     """Capture the forward of a call that autograd records (see ``backward``)."""
     if inplace:
         raise Uncapturable(UNSUPPORTED, "the call writes an argument in place")
@@ -142,6 +143,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise Uncapturable(UNSUPPORTED, problem)
     if trained.spill_set is not None:
         trained.spill_set = _with_ctx_tensors(trained.spill_set, trained.static_diff, own)
+    if reuse:
+        trained.lend()
     return trained
 
 
@@ -150,7 +153,7 @@ def capturer(stats: Stats) -> Callable[..., Trained]:
     def capture_for(fn: Callable[..., Any], flat: Flat, backend: Backend,
                     device: torch.device, watch: Watch, inplace: tuple[int, ...],
                     reuse: bool = False) -> Trained:
-        return capture(fn, flat, backend, device, watch, inplace, stats)
+        return capture(fn, flat, backend, device, watch, inplace, stats, reuse)
 
     return capture_for
 

@@ -73,28 +73,30 @@ def assert_same_training(make, data, **kw):
     return autograph.stats(g)
 
 
-def assert_graphed(s, calls):
+def assert_graphed(s, calls, spare=False):
+    """``spare``: a second micro-batch found the first backward graph's gradients held
+    (as ``.grad`` since ``zero_grad(set_to_none=True)``) and captured the spare."""
     assert s["calls"] == calls and s["captures"] == 1 and s["eager"] == 1  # one warmup
     assert s["replays"] == calls - 2  # the capture's call replays too, counted apart
-    assert s["backward_captures"] == 1 and s["backward_eager"] == 1
+    assert s["backward_captures"] == 1 + spare and s["backward_eager"] == 1
     assert s["backward_replays"] == calls - 2  # every backward after the first
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_mlp_three_steps_two_micro_batches_equal_eager(set_to_none, standin):
     s = assert_same_training(mlp, batches((6, 8), 4), set_to_none=set_to_none)
-    assert_graphed(s, 6)
+    assert_graphed(s, 6, spare=set_to_none)
     assert standin.pools_used[-1] is not standin.pool(torch.device("cpu"))  # its own pool
 
 
 def test_sgd_momentum_and_clipping_equal_eager():
     s = assert_same_training(mlp, batches((6, 8), 4), opt=torch.optim.SGD, clip=0.5)
-    assert_graphed(s, 6)
+    assert_graphed(s, 6, spare=True)
 
 
 def test_batchnorm_running_stats_and_gradients_equal_eager():
     s = assert_same_training(cnn, batches((4, 3, 8, 8), 5))
-    assert_graphed(s, 6)
+    assert_graphed(s, 6, spare=True)
 
 
 def test_transformer_layer_without_dropout_equals_eager():
@@ -105,7 +107,7 @@ def test_transformer_layer_without_dropout_equals_eager():
                              nn.Flatten(), nn.Linear(16 * 5, 3))
 
     s = assert_same_training(make, batches((4, 5, 16), 3))
-    assert_graphed(s, 6)
+    assert_graphed(s, 6, spare=True)
 
 
 def test_gru_equals_eager():
@@ -559,3 +561,85 @@ def test_unknown_saved_state_keeps_backward_pending():
     g(torch.randn(2, 8))  # a is pending and cannot be spilled: eager
     assert a.requires_grad
     assert autograph.stats(g)["eager_reasons"] == {"backward_pending": 1}
+
+
+def _trained(g):
+    """The training graph behind ``g`` (one key)."""
+    (entry,) = [e for e in g._self_engine.cache.entries.values() if e.graph is not None]
+    return entry.graph
+
+
+def test_gradients_are_handed_out_without_copies_and_kept_ones_stay_intact():
+    """A plain loop (``zero_grad(set_to_none=True)`` per step) adopts the backward
+    graph's own buffers as ``.grad`` (no copy, no spare graph); a gradient kept across
+    ``zero_grad`` and one returned by ``torch.autograd.grad`` and kept are never
+    overwritten by a later replay; gradients equal eager's throughout."""
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model, warmup=1)
+    data = batches((6, 8), 4)
+    for x, y in data[:5]:
+        for m, f in ((eager, eager), (model, g)):
+            m.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(f(x), y).backward()
+        for a, b in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    s = autograph.stats(g)
+    assert s["backward_captures"] == 1 and s["backward_replays"] == 3
+    bufs = {t.data_ptr() for t in _trained(g).backward_graph.grad_out}
+    assert {p.grad.data_ptr() for p in model.parameters()} == bufs  # adopted, not copied
+    kept = [p.grad for p in model.parameters()]
+    want = [t.clone() for t in kept]
+    x, y = data[5]
+    model.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(g(x), y).backward()  # the buffers are held: the spare
+    nn.functional.cross_entropy(eager(x), y).backward()
+    for a, b in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    for a, b in zip(kept, want):
+        assert torch.equal(a, b)
+    params = list(model.parameters())
+    got = []
+    for x, y in data[6:10]:
+        got.append(torch.autograd.grad(nn.functional.cross_entropy(g(x), y), params))
+        want = torch.autograd.grad(nn.functional.cross_entropy(eager(x), y),
+                                   list(eager.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(got[-1], want))
+    for (x, y), kept_grads in zip(data[6:10], got):  # none was overwritten later
+        want = torch.autograd.grad(nn.functional.cross_entropy(eager(x), y),
+                                   list(eager.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(kept_grads, want))
+    s = autograph.stats(g)
+    assert s["backward_captures"] == 2 and s["backward_eager"] == 1  # the spare: at once
+
+
+def test_outputs_reuse_lends_the_single_output_and_protects_a_held_one():
+    """``outputs="reuse"`` in training: the output is the graph's own tensor (no copy);
+    a call made while an earlier output is held runs eagerly; gradients equal eager's."""
+    eager = mlp()
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model, warmup=1, outputs="reuse")
+    data = batches((6, 8), 4)
+    for x, y in data[:4]:
+        for m, f in ((eager, eager), (model, g)):
+            m.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(f(x), y).backward()
+        for a, b in zip(eager.parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad)
+    trained = _trained(g)
+    assert trained.reuse
+    (x0, _), (x1, _) = data[4], data[5]
+    model.zero_grad()
+    eager.zero_grad()
+    a = g(x0)
+    assert a.data_ptr() == trained.single.data_ptr()  # lent, not copied
+    want = eager(x0).detach()
+    b = g(x1)  # a is held: b runs eagerly
+    assert torch.equal(a, want) and torch.equal(b, eager(x1))
+    (a.square().sum() + b.square().sum()).backward()
+    (eager(x0).square().sum() + eager(x1).square().sum()).backward()
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    s = autograph.stats(g)
+    assert s["outputs_protected"] == 1 and s["eager_reasons"]["outputs_held"] == 1

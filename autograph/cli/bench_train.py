@@ -3,13 +3,14 @@ policy MLP (64 in, three 256-wide layers, 16 out, fp32) per step: ``zero_grad``,
 forward, MSE loss, backward, ``AdamW`` step (``fused=True`` where torch has it for
 CUDA, else ``foreach=True``), at batch 1 and 32.
 
-Methods: eager, autograph (``graphed(model)``), autograph step (the whole step graphed:
-``graphed(step)``, with ``capturable=True``), ``torch.cuda.make_graphed_callables``
-(``model`` with one sample) and ``torch.compile(model, mode="reduce-overhead")``, each
-on its own copy of the same initial weights, fed the same batches.  Per method: the
-set-up and the first three steps (timed together), then more steps whose losses are
-compared with eager's (within ``tolerance``; a method that differs is not timed), then
-the median milliseconds per step over rounds interleaved across methods.
+Methods: eager, autograph (``graphed(model)``, and with ``outputs="reuse"``: the output
+not copied), autograph step (the whole step graphed: ``graphed(step)``, with
+``capturable=True``), ``torch.cuda.make_graphed_callables`` (``model`` with one sample)
+and ``torch.compile(model, mode="reduce-overhead")``, each on its own copy of the same
+initial weights, fed the same batches.  Per method: the set-up and the first three
+steps (timed together), then more steps whose losses are compared with eager's (within
+``tolerance``; a method that differs is not timed), then the median milliseconds per
+step over rounds interleaved across methods.
 
     python -m autograph.cli.bench_train [--batch 1 32] [--rounds 15] [--steps 200]
 """
@@ -36,7 +37,8 @@ import autograph
 
 from .cells import num, ratio
 
-METHODS = ("eager", "autograph", "autograph step", "make_graphed_callables", "torch.compile")
+METHODS = ("eager", "autograph", "autograph outputs=reuse", "autograph step",
+           "make_graphed_callables", "torch.compile")
 FIRST_STEPS = 3  # timed with the set-up
 CHECK_STEPS = 8  # losses compared with eager's (the first steps included)
 
@@ -78,12 +80,13 @@ def _wrap(name: str, model: nn.Module, sample: torch.Tensor
     """The forward of ``model`` as method ``name`` runs it, and a note for the table."""
     if name == "eager":
         return model, lambda: ""
-    if name == "autograph":
-        fast = autograph.graphed(model)
+    if name in ("autograph", "autograph outputs=reuse"):
+        fast = autograph.graphed(model, outputs="reuse" if "reuse" in name else "clone")
 
         def note() -> str:
             s = autograph.stats(fast)
-            return (f"fwd replays {s['replays']}, bwd replays {s['backward_replays']}, "
+            return (f"fwd replays {s['replays']}, bwd replays {s['backward_replays']} "
+                    f"(graphs {s['backward_captures']}), "
                     f"eager {s['eager']} {dict(s['eager_reasons'])}, "
                     f"spills {s['backward_spills']}")
 

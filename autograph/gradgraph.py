@@ -1,0 +1,104 @@
+"""The backward graph of a training graph (see ``backward``): gradients in, replay,
+gradients out.
+
+A backward graph is ``torch.autograd.grad`` of the captured forward's autograd graph,
+captured into the forward's pool.  It gives autograd its gradients in one of two ways:
+
+* *Hand-out* (a key's first backward graph, as ``make_graphed_callables`` does): each
+  call hands out aliases of the graph's own gradient buffers, and autograd's
+  ``AccumulateGrad`` adopts them as ``.grad`` (after ``zero_grad(set_to_none=True)``)
+  or adds them into ``.grad``: no allocation and no copy per call.  The buffers are
+  allocated outside the pool and the graph ends by copying its gradients into them: a
+  block of the pool may be scratch memory of the forward graph, which its next replay
+  would overwrite while ``.grad`` still holds it.  Before a replay, the use count of
+  each buffer's storage tells whether something still holds an earlier call's
+  gradient (a ``.grad`` that was not zeroed in between, as when accumulating over
+  micro-batches, or a gradient that ``torch.autograd.grad`` returned): the replay would
+  overwrite it, so the call uses another graph (:meth:`GradGraph.held`).
+* *Copy* (the spare, captured once the hand-out graph was found held): its gradients
+  are copied out to fresh tensors after each replay, so nothing it owns is ever held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .buffers import _foreach_copy
+
+use_count = getattr(torch._C, "_storage_Use_Count", None)
+_lt = int.__lt__
+
+
+def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, batched where torch can."""
+    if _foreach_copy is not None and len(dst) > 1:
+        _foreach_copy(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+class GradGraph:
+    """A captured backward graph and the buffers it reads and writes."""
+
+    __slots__ = ("graph", "grad_in", "grad_out", "handout", "holders", "counts")
+
+    def __init__(self, graph: Any, grad_in: list[torch.Tensor],
+                 grad_out: list[torch.Tensor | None], handout: bool) -> None:
+        self.graph = graph
+        self.grad_in = grad_in  # the gradients of the outputs, copied in per call
+        self.grad_out = grad_out  # one per target; None: no gradient reaches it
+        # the storage handles of the buffers handed out, and their use counts with
+        # nothing handed out
+        self.holders: tuple[int, ...] = ()
+        self.counts: tuple[int, ...] = ()
+        if handout and use_count is not None:
+            self.holders = tuple(g.untyped_storage()._cdata for g in grad_out if g is not None)
+            self.counts = tuple(map(use_count, self.holders))
+        else:
+            handout = False
+        self.handout = handout
+
+    def held(self) -> bool:
+        """Whether a replay would overwrite a gradient handed out earlier and still held."""
+        return any(map(_lt, self.counts, map(use_count, self.holders)))  # type: ignore
+
+    def run(self, wanted: list[Any]) -> list[torch.Tensor | None]:
+        """Copy the output gradients in, replay, hand out the targets' gradients."""
+        copy_all(self.grad_in, wanted)
+        self.graph.replay()
+        if self.handout:  # new aliases: AccumulateGrad adopts an alias nothing else holds
+            return [None if g is None else g.detach() for g in self.grad_out]
+        got = [g for g in self.grad_out if g is not None]
+        fresh = [torch.empty_like(g) for g in got]
+        copy_all(fresh, got)
+        it = iter(fresh)
+        return [None if g is None else next(it) for g in self.grad_out]
+
+
+def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
+            targets: list[torch.Tensor], handout: bool) -> GradGraph:
+    """Capture the backward of ``outs`` to ``targets`` (raises what the capture raises)."""
+    grad_in = [torch.zeros_like(t).detach() for t in outs]
+    bufs = [torch.empty_like(t).detach() for t in targets] if handout else None
+
+    lent = [bufs is not None]
+
+    def backward() -> Any:
+        with torch.autocast(device.type, enabled=False):
+            got = torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
+                                      allow_unused=True)
+        if bufs is None or any(g is not None and g.layout is not torch.strided
+                               for g in got):
+            lent[0] = False  # sparse gradients: copied out after each replay
+            return got
+        pairs = [(b, g) for b, g in zip(bufs, got) if g is not None]
+        copy_all([b for b, _ in pairs], [g for _, g in pairs])
+        return [None if g is None else b for b, g in zip(bufs, got)]
+
+    run: Callable[[], Any] = backward
+    graph, got = backend.capture(device, run)
+    return GradGraph(graph, grad_in, list(got), lent[0])

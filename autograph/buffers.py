@@ -206,9 +206,6 @@ def _record_maker(output: Any, spec: Any, values: list[Any]
             or any(v is not None for k, v in attrs.items() if k not in names)):
         return None
     new, setitem = OrderedDict.__new__, OrderedDict.__setitem__
-    # every attribute None (the items' are set per call): the capture's own values are
-    # not kept (an object argument passed through, a cache, would stay alive with them)
-    attrs = dict.fromkeys(attrs)
 
     def make(leaves: list[Any]) -> Any:
         obj = new(cls)
@@ -225,6 +222,9 @@ def _record_maker(output: Any, spec: Any, values: list[Any]
             or any(v is not attrs[k] for k, v in got.__dict__.items())
             or any(a is not b for a, b in zip(got.values(), values))):
         return None
+    # from now on every default None (the items are set per call): the capture's own
+    # values are not kept (an object passed through, a cache, would stay alive with them)
+    attrs = dict.fromkeys(attrs)
     return make
 
 

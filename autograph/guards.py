@@ -49,7 +49,9 @@ _ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
 
 # id(module) -> the watches whose trees contain it
 _watched: dict[int, weakref.WeakSet[Watch]] = {}
-_watched_lock = threading.Lock()
+# re-entrant: a garbage collection inside a locked block can run a module's weak
+# reference callback that closes its watch (region.py), which takes the lock again
+_watched_lock = threading.RLock()
 _installed = False
 _local = threading.local()
 
@@ -217,8 +219,14 @@ class Watch:
         """Watch these module ids (ids, not modules: the watch must not keep them alive)."""
         with _watched_lock:
             self._ids = ids
-            for i in self._ids:
-                _watched.setdefault(i, weakref.WeakSet()).add(self)
+            for i in ids:
+                # a collection in between may close another watch (same thread, hence
+                # the RLock) and drop the set it emptied: ours must be the set kept
+                while True:
+                    ws = _watched.setdefault(i, weakref.WeakSet())
+                    ws.add(self)
+                    if _watched.get(i) is ws:
+                        break
 
     def _unregister(self) -> None:
         with _watched_lock:

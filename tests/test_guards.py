@@ -239,3 +239,40 @@ def test_parameters_moved_without_setattr_are_seen(change):
     change(m)
     check(g, m, 4)
     assert autograph.stats(g)["invalidations"] == 1
+
+
+def test_a_collection_while_watches_are_registered_does_not_deadlock(monkeypatch):
+    """A garbage collection inside the watch registry's lock can run a region module's
+    weak reference callback, which closes that module's watch and takes the lock again
+    on the same thread (seen as a hang of the GPU fuzz test)."""
+    import threading
+
+    from autograph import guards
+
+    model = nn.Linear(4, 4)
+    with torch.no_grad(), autograph.capture_region():
+        model(torch.randn(2, 4))  # a region engine whose watch dies with the module
+    doomed = [model]
+    del model
+    real_set = guards.weakref.WeakSet
+
+    def collecting_set(*args):
+        if doomed:
+            doomed.clear()  # the last reference: its callback runs right here
+        return real_set(*args)
+
+    monkeypatch.setattr(guards.weakref, "WeakSet", collecting_set)
+    other = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    g = autograph.graphed(other)
+    done = threading.Event()
+
+    def call():
+        with torch.no_grad():
+            g(torch.randn(2, 4))
+        done.set()
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(20)
+    assert done.is_set(), "deadlocked: the registry lock was taken again by a callback"
+    assert id(other) in guards._watched and any(guards._watched[id(other)])

@@ -157,6 +157,7 @@ class CudaBackend:
             caller = torch.cuda.current_stream()
             rng = torch.cuda.get_rng_state(index)
             torch.cuda.synchronize()
+            _clear_cublas_workspaces()
             side.wait_stream(caller)
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
@@ -252,6 +253,15 @@ def _end_quietly(graph: torch.cuda.CUDAGraph) -> None:
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it failed early
         graph.capture_end()
 
+
+# cuBLAS keeps one workspace per (handle, stream), made at first use: one made by an
+# eager warmup lives in the general memory, and a graph captured after it keeps its
+# address.  torch.compile's CUDA graph trees free every workspace before and after they
+# record (``clear_cublass_cache``); a workspace our graphs use would then go back to
+# the allocator while our replays still write into it.  Freed before each capture, the
+# workspace the capture needs is made in the graph's own pool instead, as theirs is.
+_clear_cublas_workspaces: Callable[[], None] = getattr(
+    torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
 
 _backends: list[Backend] = [CudaBackend()]
 _by_device: dict[torch.device, Backend | None] = {}

@@ -98,3 +98,33 @@ def test_plot_draws_decode_latency_per_batch(tmp_path):
     path = tmp_path / "bench.png"
     plot(RESULTS, str(path), "test")
     assert path.stat().st_size > 1000
+
+
+def test_training_bench_pins_a_crash_to_the_methods_it_needs(monkeypatch):
+    """When the process timing every method at a batch size dies, each method runs
+    again beside eager alone: the rows say which ran, which died, and why."""
+    from autograph.cli import bench_train as bt
+
+    calls = []
+
+    def fake(batch, steps, rounds, methods):
+        calls.append(list(methods))
+        if "torch.compile" in methods:
+            return None, 1  # this method (with the others, or beside eager) crashes
+        return [bt.TrainRow(batch, m, 1.0 if m == "eager" else 0.5, 1.0, 0.0, "AdamW")
+                for m in methods], 0
+
+    monkeypatch.setattr(bt, "_in_process", fake)
+    methods = ["eager", "autograph", "torch.compile"]
+    rows = bt.bench_train([1, 32], 10, 2, methods)
+    assert calls[0] == methods and calls[1] == ["eager", "autograph"]
+    assert calls[2] == ["eager", "torch.compile"]
+    by = {(r.batch, r.method): r for r in rows}
+    assert [r.method for r in rows[:3]] == methods and len(rows) == 6
+    assert by[(1, "autograph")].ms_per_step == 0.5
+    assert "beside eager alone" in by[(1, "autograph")].note
+    assert by[(1, "eager")].ms_per_step == 1.0  # from the pair that ran
+    assert by[(1, "torch.compile")].ms_per_step is None
+    assert "failed: exited with 1" in by[(1, "torch.compile")].note
+    assert "all methods in one process exited with 1" in by[(1, "torch.compile")].note
+    assert "timed beside" in bt.format_train(rows)

@@ -187,27 +187,56 @@ def bench_batch(batch: int, steps: int, rounds: int, methods: Sequence[str],
 def bench_train(batches: Sequence[int] = (1, 32), steps: int = 200, rounds: int = 15,
                 methods: Sequence[str] = METHODS,
                 progress: Callable[[str], None] = lambda _: None) -> list[TrainRow]:
-    """Every batch size in a process of its own: with torch.compile's CUDA graphs of an
-    earlier batch size in the process, a later one has hit illegal memory accesses on
-    the H200 (torch 2.11), autograph's graphs and make_graphed_callables' alike."""
+    """Every batch size in a process of its own: on the H200 (torch 2.11) a process
+    running every method at batch 32 has died of an illegal memory access (see
+    docs/usage.md, "Known problem"); if one dies, its methods run again, each beside
+    eager in a process of its own (``_pairwise``), so the table still has them."""
     if len(batches) == 1:
         return bench_batch(batches[0], steps, rounds, methods, progress=progress)
     rows: list[TrainRow] = []
     for b in batches:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "rows.json")
-            cmd = [sys.executable, "-m", "autograph.cli.bench_train", "--batch", str(b),
-                   "--steps", str(steps), "--rounds", str(rounds), "--json", path,
-                   "--methods", *methods]
-            done = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
-            if done.returncode or not os.path.exists(path):
-                rows += [TrainRow(b, m, None, None, None, "",
-                                  f"failed: the process exited with {done.returncode}")
-                         for m in methods]
-                continue
-            with open(path, encoding="utf-8") as f:
-                rows += [TrainRow(**r) for r in json.load(f)]
+        got, code = _in_process(b, steps, rounds, methods)
+        if got is None:  # the process died: each method again, beside eager, on its own
+            got = _pairwise(b, steps, rounds, methods, code)
+        rows += got
     return rows
+
+
+def _in_process(batch: int, steps: int, rounds: int, methods: Sequence[str]
+                ) -> tuple[list[TrainRow] | None, int]:
+    """``bench_batch`` in a new process: its rows, or None and the exit code."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "autograph.cli.bench_train", "--batch", str(batch),
+               "--steps", str(steps), "--rounds", str(rounds), "--json", path,
+               "--methods", *methods]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+        if done.returncode or not os.path.exists(path):
+            return None, done.returncode
+        with open(path, encoding="utf-8") as f:
+            return [TrainRow(**r) for r in json.load(f)], 0
+
+
+def _pairwise(batch: int, steps: int, rounds: int, methods: Sequence[str], code: int
+              ) -> list[TrainRow]:
+    """After the process running every method died (exit ``code``): eager and each other
+    method in a process of their own, so a crash is pinned to the methods it needs."""
+    rows: dict[str, TrainRow] = {}
+    for name in [m for m in methods if m != "eager"] or ["eager"]:
+        pair = ["eager", name] if name != "eager" else ["eager"]
+        got, pair_code = _in_process(batch, steps, rounds, pair)
+        for row in got or [TrainRow(batch, m, None, None, None, "", "") for m in pair]:
+            if got is None:
+                row.note = f"failed: exited with {pair_code} beside eager alone"
+            else:
+                row.note = ", ".join(x for x in (row.note, "timed beside eager alone") if x)
+            if (row.method == name or row.method not in rows
+                    or rows[row.method].ms_per_step is None):
+                rows[row.method] = row
+    note = f"all methods in one process exited with {code}"
+    for row in rows.values():
+        row.note = f"{row.note}; {note}" if row.note else note
+    return [rows[m] for m in methods if m in rows]
 
 
 def format_train(rows: list[TrainRow]) -> str:

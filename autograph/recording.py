@@ -86,6 +86,8 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             stats.count_eager(EagerReason.CAPTURE_FAILED,
                               f"the call raised {type(exc).__name__}", warn=False)
             raise
+        if entry.contained:  # a whole step: its gradients may live in the graph's pool
+            engine.watch.steps.add_grads(engine.watch.tensors())
         try:
             result = captured.runner()(flat.leaves)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right

@@ -8,15 +8,18 @@ optimizer's Python reads, its hyper-parameters above all (``lr``, betas, weight 
 a learning-rate schedule that assigns a new ``lr`` would be ignored by the replays.
 :class:`Stepped` finds the optimizers a capture steps (torch's global step pre-hook,
 this thread only) and :class:`StepGuard` checks, on every call, that their
-hyper-parameters, parameter groups and state are the ones captured; otherwise the
-graphs go (``Watch.ok``).  An ``lr`` that is a tensor updated in place
-(``capturable=True`` optimizers accept one) is read by the graph and keeps it.
+hyper-parameters, parameter groups and state are the ones captured, and that each
+parameter's ``.grad`` is the tensor it was after the capture (a gradient made in the
+capture lives in the graph's pool); otherwise the graphs go (``Watch.ok``).  An ``lr``
+that is a tensor updated in place (``capturable=True`` optimizers accept one) is read
+by the graph and keeps it.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -73,14 +76,26 @@ def _value(value: Any) -> Any:
 class StepGuard:
     """The optimizers stepped by captured graphs, with their snapshots."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_grads")
 
     def __init__(self) -> None:
         # weak references: a guard must not keep an optimizer (and its state) alive
         self._items: list[tuple[weakref.ref[torch.optim.Optimizer], tuple[Any, ...]]] = []
+        # (parameter, its .grad after a capture, or None): a gradient made during a
+        # capture lives in the graph's pool and is rewritten by every replay, so the
+        # parameter must still hold that very tensor (``zero_grad(set_to_none=True)``
+        # outside the step drops it: eager would make a new one, the replay would not)
+        self._grads: list[tuple[weakref.ref[torch.Tensor], Any]] = []
 
     def __bool__(self) -> bool:
-        return bool(self._items)
+        return bool(self._items) or bool(self._grads)
+
+    def add_grads(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Guard the ``.grad`` of each of ``tensors`` that requires grad, as it is now."""
+        for t in tensors:
+            if t.requires_grad:
+                grad = t.grad
+                self._grads.append((weakref.ref(t), None if grad is None else weakref.ref(grad)))
 
     def add(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
@@ -94,9 +109,19 @@ class StepGuard:
                 optimizer = ref()
                 if optimizer is None or snapshot(optimizer) != then:
                     return False
+            for param, grad in self._grads:
+                t = param()
+                if t is None:
+                    return False
+                if grad is None:
+                    if t.grad is not None:
+                        return False
+                elif (g := grad()) is None or t.grad is not g:
+                    return False
             return True
         except Exception:  # noqa: BLE001 - a group changed shape: not as captured
             return False
 
     def clear(self) -> None:
         self._items = []
+        self._grads = []

@@ -111,3 +111,21 @@ def test_a_step_returning_a_tensor_that_requires_grad_is_no_whole_step(standin, 
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
     assert copy.copy(autograph.stats(fn))["replays"] >= 1
+
+
+def test_gradients_dropped_outside_the_step_are_seen(standin):
+    """``zero_grad(set_to_none=True)`` inside the step makes its gradients in the graph's
+    pool; dropping them outside too (``model.zero_grad()``) must not leave the replays
+    writing into freed memory while ``.grad`` reads None."""
+    graphed_trainer, eager_trainer = Trainer(make()), Trainer(make())
+    train = autograph.graphed(graphed_trainer.step)
+    for i, (x, y) in enumerate(batches(14)):
+        if i in (7, 10):
+            for t in (graphed_trainer, eager_trainer):
+                t.model.zero_grad(set_to_none=True)
+        torch.testing.assert_close(train(x, y), eager_trainer.step(x, y), rtol=0, atol=0)
+        for p, q in zip(graphed_trainer.model.parameters(), eager_trainer.model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    same_params(graphed_trainer.model, eager_trainer.model)
+    s = autograph.stats(train)
+    assert s["invalidations"] == 2 and s["replays"] >= 4, s

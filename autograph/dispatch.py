@@ -21,7 +21,7 @@ from . import switch as _switch
 from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
 from .flat import Flat
-from .guards import Watch, running
+from .guards import Watch, running_stack
 from .keys import GraphKey, key_call
 from .modes import modes
 from .options import Options
@@ -226,8 +226,15 @@ class Engine:
 
     def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The original call, uncounted (under the watch, in a profiler range)."""
-        with running(self.watch), self.profiler_range("eager"):
+        stack = running_stack()  # ``with running(watch)``, without its two calls
+        stack.append(self.watch)
+        try:
+            if _profiling():
+                with record_function(self.labels["eager"]):
+                    return self.fn(*args, **kwargs)
             return self.fn(*args, **kwargs)
+        finally:
+            stack.pop()
 
     def reset(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments (and try

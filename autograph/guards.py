@@ -261,6 +261,15 @@ class Watch:
             self.altered = self.altered or not swap
 
 
+def running_stack() -> list[Watch]:
+    """This thread's watches running their forward (innermost last): the assignment hook
+    reads it; the eager path pushes and pops on it directly (no context manager)."""
+    stack = getattr(_local, "running", None)
+    if stack is None:
+        stack = _local.running = []
+    return stack  # type: ignore[no-any-return]
+
+
 class running:
     """Marks ``watch`` as running its forward in this thread (for the assignment hook)."""
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from .vocab import QUIET, EagerReason
 
+_QUIET = frozenset(reason.value for reason in QUIET)  # by identifier: str hashes in C
+
 logger = logging.getLogger("autograph")
 MAX_DETAILS = 8  # distinct details kept per reason (the newest replace the oldest)
 
@@ -86,25 +88,26 @@ class Stats:
         self.buckets: dict[int, dict[str, int]] = {}
         self.bucket_misses = 0
         self.padding: str | None = None
-        self._warned: set[tuple[EagerReason, str]] = set()
+        self._warned: set[tuple[str, str]] = set()
 
     def count_eager(self, reason: EagerReason, detail: str = "", *, warn: bool = True) -> None:
         """Count one eager call; log each new reason (and detail) once at WARNING."""
-        self.eager += 1
-        self.eager_reasons[reason.value] += 1
+        value = reason._value_  # not ``.value`` (a descriptor) nor the member's hash
+        self.eager += 1  # (Python-level in enum): the grad-mode eager path runs this
+        self.eager_reasons[value] += 1
         self.last_reason = reason
         if detail:
-            details = self.eager_details.setdefault(reason.value, {})
+            details = self.eager_details.setdefault(value, {})
             if detail not in details and len(details) >= MAX_DETAILS:
                 del details[next(iter(details))]
             details[detail] = details.get(detail, 0) + 1
         if _observers:
-            _notify(self, reason.value)
-        if warn and reason not in QUIET and (reason, detail) not in self._warned:
+            _notify(self, value)
+        if warn and value not in _QUIET and (value, detail) not in self._warned:
             if len(self._warned) < 256:
-                self._warned.add((reason, detail))
+                self._warned.add((value, detail))
                 text = f"{reason.message}: {detail}" if detail else reason.message
-                logger.warning("%s: running eagerly [%s]: %s", self.name, reason.value, text)
+                logger.warning("%s: running eagerly [%s]: %s", self.name, value, text)
 
     def count_replay(self) -> None:
         self.replays += 1

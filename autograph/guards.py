@@ -138,9 +138,9 @@ class Watch:
         for get, value in self._refs:
             if not same(get(), value):
                 return False
-        if self.steps and not self.steps.ok():
+        if self.steps.active and not self.steps.ok():
             return False
-        return self._hidden_same()
+        return not self._hidden or self._hidden_same()
 
     def _hidden_same(self) -> bool:
         for ref, ptr, version in self._hidden:

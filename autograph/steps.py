@@ -76,7 +76,7 @@ def _value(value: Any) -> Any:
 class StepGuard:
     """The optimizers stepped by captured graphs, with their snapshots."""
 
-    __slots__ = ("_items", "_grads")
+    __slots__ = ("_items", "_grads", "active")
 
     def __init__(self) -> None:
         # weak references: a guard must not keep an optimizer (and its state) alive
@@ -86,9 +86,7 @@ class StepGuard:
         # parameter must still hold that very tensor (``zero_grad(set_to_none=True)``
         # outside the step drops it: eager would make a new one, the replay would not)
         self._grads: list[tuple[weakref.ref[torch.Tensor], Any]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._items) or bool(self._grads)
+        self.active = False  # anything guarded (read on every call: no method call)
 
     def add_grads(self, tensors: Iterable[torch.Tensor]) -> None:
         """Guard the ``.grad`` of each of ``tensors`` that requires grad, as it is now."""
@@ -96,11 +94,13 @@ class StepGuard:
             if t.requires_grad:
                 grad = t.grad
                 self._grads.append((weakref.ref(t), None if grad is None else weakref.ref(grad)))
+                self.active = True
 
     def add(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:
             if not any(ref() is optimizer for ref, _ in self._items):
                 self._items.append((weakref.ref(optimizer), snapshot(optimizer)))
+                self.active = True
 
     def ok(self) -> bool:
         """True while every guarded optimizer is alive and as captured."""
@@ -125,3 +125,4 @@ class StepGuard:
     def clear(self) -> None:
         self._items = []
         self._grads = []
+        self.active = False

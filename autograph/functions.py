@@ -90,7 +90,9 @@ class _Dispatch:
             return [v for v in getattr(obj, "__dict__", {}).values() if isinstance(v, nn.Module)]
 
         name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
-        handle = make_engine(call, self.options, name, roots, fn, False, method=True)
+        # a module's method: its forward, without the module's hooks; a plain object's:
+        # its modules are called, hooks and all
+        handle = make_engine(call, self.options, name, roots, fn, not is_module, method=True)
         with self.lock:
             item = instances[key] = (ref, handle)
         return item

@@ -106,9 +106,10 @@ class Watch:
         self._refs = refs
         self._ptrs = self._current_ptrs()
         self._all = list(range(len(self._ptrs)))
-        self.hook_reason = _hooks_reason(
-            list(modules.values()), roots if not self._hooks_of_roots else []
-        )
+        # a method's own module runs no hooks of its own (its forward is called, not
+        # the module); every other module does, the ones the code names included
+        own = [] if self._hooks_of_roots else list(self._roots())
+        self.hook_reason = _hooks_reason(list(modules.values()), own)
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None

@@ -276,3 +276,54 @@ def test_a_collection_while_watches_are_registered_does_not_deadlock(monkeypatch
     t.join(20)
     assert done.is_set(), "deadlocked: the registry lock was taken again by a callback"
     assert id(other) in guards._watched and any(guards._watched[id(other)])
+
+
+def test_hooks_of_modules_a_function_or_a_plain_object_calls_run_every_call(standin):
+    """A forward hook on a module that a graphed function names (a global) or that a
+    graphed method's plain object holds runs in every eager call: those calls run
+    eagerly (reason ``hooks``) instead of replaying without it."""
+    model = nn.Linear(4, 4)
+    runs = []
+    model.register_forward_hook(lambda m, i, o: runs.append(1))
+
+    def f(x):
+        return model(x) * 2
+
+    class Trainer:
+        def __init__(self):
+            self.model = model
+
+        def step(self, x):
+            return self.model(x) * 2
+
+    for fn in (autograph.graphed(f), autograph.graphed(Trainer().step)):
+        runs.clear()
+        with torch.no_grad():
+            for _ in range(6):
+                fn(torch.randn(2, 4))
+        assert len(runs) == 6
+        s = autograph.stats(fn)
+        assert s["replays"] == 0 and s["eager_reasons"].get("hooks") == 6, s
+
+
+def test_hooks_of_a_graphed_forward_s_own_module_run_outside_it(standin):
+    """``@graphed`` on ``forward``: the module's hooks run around the graphed forward
+    (in ``Module.__call__``), so they do not stop it from replaying."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        @autograph.graphed
+        def forward(self, x):
+            return self.lin(x) * 2
+
+    m = M()
+    runs = []
+    m.register_forward_hook(lambda mod, i, o: runs.append(1))
+    with torch.no_grad():
+        for _ in range(6):
+            m(torch.randn(2, 4))
+    assert len(runs) == 6
+    assert autograph.stats(m.forward)["replays"] >= 3

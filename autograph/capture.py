@@ -87,6 +87,7 @@ class CudaBackend:
         # capture: torch flags the device's default generator as capturing for the
         # whole process, and a replay meanwhile would fail on it.
         self._gates: dict[int, threading.Lock] = {}
+        self._cublas_cleared: set[int] = set()  # devices whose workspaces were freed
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cuda" and torch.cuda.is_available()
@@ -157,7 +158,9 @@ class CudaBackend:
             caller = torch.cuda.current_stream()
             rng = torch.cuda.get_rng_state(index)
             torch.cuda.synchronize()
-            _clear_cublas_workspaces()
+            if index not in self._cublas_cleared:  # see _clear_cublas_workspaces
+                self._cublas_cleared.add(index)
+                _clear_cublas_workspaces()
             side.wait_stream(caller)
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
@@ -255,11 +258,14 @@ def _end_quietly(graph: torch.cuda.CUDAGraph) -> None:
 
 
 # cuBLAS keeps one workspace per (handle, stream), made at first use: one made by an
-# eager warmup lives in the general memory, and a graph captured after it keeps its
-# address.  torch.compile's CUDA graph trees free every workspace before and after they
-# record (``clear_cublass_cache``); a workspace our graphs use would then go back to
-# the allocator while our replays still write into it.  Freed before each capture, the
-# workspace the capture needs is made in the graph's own pool instead, as theirs is.
+# eager warmup on the side stream lives in the general memory, and every graph
+# captured after it keeps its address.  torch.compile's CUDA graph trees free every
+# workspace before and after they record (``clear_cublass_cache``); a workspace our
+# graphs use would then go back to the allocator while our replays still write into it.
+# So before a device's first capture the workspaces are freed once: the capture makes
+# the side stream's workspace in the pool, where it stays (held by cuBLAS) for every
+# later warmup and capture.  Not freed again: freeing one that earlier graphs use would
+# let a later capture place its tensors there.
 _clear_cublas_workspaces: Callable[[], None] = getattr(
     torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
 

@@ -40,8 +40,11 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         run_warm = training.warm if trains else lifecycle.warm
         warmed = run_warm(engine.fn, flat, backend, device, engine.watch,
                           learn=entry.runs == 0, timed=timed)
-    if trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out):
-        entry.contained = True  # nothing autograd recorded leaves the call: one graph
+    if (trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out)
+            and not any(flat.leaves[i].requires_grad for i in flat.tensor_pos)):
+        # nothing autograd recorded leaves the call (and no argument gets a .grad,
+        # which a static buffer standing in for it would take): one plain graph
+        entry.contained = True
     if warmed.problem is not None:  # the call ran; graphs would get it wrong
         entry.give_up(warmed.problem.reason, warmed.problem.detail)
         return warmed.out

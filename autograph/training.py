@@ -35,7 +35,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
          watch: Watch, *, learn: bool, timed: bool) -> lifecycle.Warmed:
     """``lifecycle.warm`` for a call that autograd records."""
     hooks: list[str] = []
-    call = _spying(fn, hooks) if learn else fn
+    inner: list[str] = []  # backward passes run inside the call
+    call = _spying(fn, hooks, inner) if learn else fn
     warmed = lifecycle.warm(call, flat, backend, device, watch, learn=learn, timed=timed)
     problem = warmed.problem
     if problem is not None and problem.reason is EagerReason.AUTOGRAD:
@@ -44,6 +45,15 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             lifecycle._check_objects(flat)  # the check that warm stopped before
         except Uncapturable as exc:
             problem = exc
+        if problem is None and inner:  # its own backward would run once, at capture
+            problem = Uncapturable(UNSUPPORTED, "the call runs a backward inside and "
+                                   "returns a tensor that requires grad")
+    if problem is None and inner and any(flat.leaves[i].requires_grad
+                                         for i in flat.tensor_pos):
+        # a whole step (nothing leaves the call) whose backward gives an argument a
+        # .grad: a static buffer standing in for the argument would take it
+        problem = Uncapturable(UNSUPPORTED, "the call runs a backward inside that reaches "
+                               "an argument requiring grad")
     if problem is None:
         why = hooks[0] if hooks else backward_hooks(watch)
         if why:
@@ -52,22 +62,35 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     return warmed
 
 
-def _spying(fn: Callable[..., Any], found: list[str]) -> Callable[..., Any]:
+def _spying(fn: Callable[..., Any], found: list[str], inner: list[str]
+            ) -> Callable[..., Any]:
     """``fn``, noting whether it registers a hook on a tensor (``Tensor.register_hook``
-    is replaced for the duration of the call)."""
+    is replaced for the duration of the call) and whether it runs a backward pass
+    (``torch.autograd.backward`` and ``grad``, which ``Tensor.backward`` calls)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         original = torch.Tensor.register_hook
+        backward, grad = torch.autograd.backward, torch.autograd.grad
 
         def register_hook(self: torch.Tensor, hook: Any) -> Any:
             found.append("the forward registers a hook on a tensor")
             return original(self, hook)
 
+        def spied_backward(*a: Any, **k: Any) -> Any:
+            inner.append("backward")
+            return backward(*a, **k)
+
+        def spied_grad(*a: Any, **k: Any) -> Any:
+            inner.append("grad")
+            return grad(*a, **k)
+
         torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+        torch.autograd.backward, torch.autograd.grad = spied_backward, spied_grad
         try:
             return fn(*args, **kwargs)
         finally:
             torch.Tensor.register_hook = original  # type: ignore[method-assign]
+            torch.autograd.backward, torch.autograd.grad = backward, grad
 
     return call
 

@@ -129,3 +129,50 @@ def test_gradients_dropped_outside_the_step_are_seen(standin):
     same_params(graphed_trainer.model, eager_trainer.model)
     s = autograph.stats(train)
     assert s["invalidations"] == 2 and s["replays"] >= 4, s
+
+
+def test_a_backward_inside_that_reaches_an_argument_runs_eagerly(standin):
+    """A step whose backward gives an argument its ``.grad`` (the argument requires
+    grad) cannot be one graph: a static buffer would take the gradient, not the
+    caller's tensor. It runs eagerly, and the caller's tensor gets its gradient."""
+    model, reference = make(), make()
+
+    def step(m, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    fn = autograph.graphed(lambda x: step(model, x))
+    for x, _ in batches(6):
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        model.zero_grad()
+        reference.zero_grad()
+        torch.testing.assert_close(fn(a), step(reference, b))
+        torch.testing.assert_close(a.grad, b.grad)
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    s = autograph.stats(fn)
+    assert s["replays"] == 0 and s["eager_reasons"].get("backward_unsupported") == 5, s
+
+
+def test_a_backward_inside_a_call_returning_a_tensor_that_requires_grad_runs_eagerly(
+        standin):
+    """A call that runs its own backward and also returns a tensor that requires grad:
+    a training graph would run that inner backward only at its capture."""
+    model, reference = make(), make()
+
+    def step(m, x):
+        m(x).square().mean().backward()
+        return m(x).sum()
+
+    fn = autograph.graphed(lambda x: step(model, x))
+    for x, _ in batches(6):
+        model.zero_grad()
+        reference.zero_grad()
+        out, want = fn(x), step(reference, x)
+        out.backward()
+        want.backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    s = autograph.stats(fn)
+    assert s["replays"] == 0 and s["eager_reasons"].get("backward_unsupported") == 5, s

@@ -53,7 +53,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest", "repeat", "direct", "contained",
+        "used", "digest", "repeat", "direct", "contained", "warm_first",
     )
 
     def __init__(self) -> None:
@@ -73,6 +73,8 @@ class Entry:
         # autograd records the call, but its work begins and ends inside it (a whole
         # training step: backward and optimizer step inside): one plain graph
         self.contained = False
+        # warm up at least once before capturing (its last capture raised)
+        self.warm_first = False
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""

@@ -123,7 +123,8 @@ class Engine:
         action = (Action.REPLAY if run is not None
                   else Action.EAGER if entry.state is State.EAGER
                   else Action.WARM if entry.runs < self.options.warmup or (
-                      flat.objects and not entry.runs) else Action.CAPTURE)
+                      (flat.objects or entry.warm_first) and not entry.runs)
+                  else Action.CAPTURE)
         if self.ranks is not None and not _is_nested():
             digest = entry.digest
             if digest is None:  # hashing the key's text costs tens of µs: once per entry

@@ -88,6 +88,10 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         except BaseException as exc:  # the user's own error: it propagates, once
             stats.count_eager(EagerReason.CAPTURE_FAILED,
                               f"the call raised {type(exc).__name__}", warn=False)
+            # a capture runs no kernel: what the call wrote before raising (a batch
+            # norm's count) was not written. Later calls of the key run eagerly until
+            # one succeeds (they write as eager does), then capture
+            entry.runs, entry.direct, entry.warm_first = 0, False, True
             raise
         if entry.contained:  # a whole step: its gradients may live in the graph's pool
             engine.watch.steps.add_grads(engine.watch.tensors())

@@ -95,10 +95,10 @@ def test_user_exception_at_capture_propagates_once_and_leaves_no_entry(standin):
             f(torch.ones(1))
         assert calls["n"] == 2  # the body ran once for the call that raised: no retry
         assert not standin.is_capturing(torch.device("cpu"))
-        for _ in range(3):
+        for _ in range(4):  # a warmup first (the capture raised), a capture, replays
             torch.testing.assert_close(f(torch.ones(1)), torch.full((1,), 2.0))
     s = autograph.stats(f)
-    assert s["captures"] == 1 and s["replays"] == 2
+    assert s["captures"] == 1 and s["replays"] == 2 and s["eager_reasons"]["warmup"] == 2
 
 
 def test_without_a_graph_backend_everything_runs_eagerly():
@@ -219,3 +219,22 @@ def test_calls_that_run_eagerly_anyway_are_not_padded():
             torch.testing.assert_close(g(torch.ones(n, 4)), m(torch.ones(n, 4)))
     s = autograph.stats(g)
     assert s["buckets"] == {} and s["replays"] == 0
+
+
+def test_a_key_whose_capture_raised_warms_up_before_capturing_again(standin):
+    """A training batch norm over one value per channel writes its count and then
+    raises. The call whose capture raised misses that write (a capture runs no kernel);
+    later calls of the key run eagerly, writing as eager does, instead of capturing
+    (and missing it) every time."""
+    model, reference = nn.BatchNorm1d(3).train(), nn.BatchNorm1d(3).train()
+    g = autograph.graphed(model, warmup=0)
+    for _ in range(4):
+        x = torch.randn(1, 3)
+        with pytest.raises(ValueError):
+            g(x)
+        with pytest.raises(ValueError):
+            reference(x)
+    assert int(model.num_batches_tracked) == int(reference.num_batches_tracked) - 1
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(g(x), reference(x))  # a warmup: eager, as the reference
+    assert int(model.num_batches_tracked) == int(reference.num_batches_tracked) - 1

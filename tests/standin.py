@@ -193,3 +193,24 @@ class StandinBackend:
 
     def synchronize(self, device: torch.device) -> None:
         pass
+
+
+class NullGraph:
+    """A graph whose replay does nothing (for timing the host work around replays)."""
+
+    def replay(self) -> None:
+        pass
+
+
+class NullBackend(StandinBackend):
+    """The stand-in with null graphs: a capture runs the function once, replays do
+    nothing, so what remains is the Python and the operators around the graphs (the
+    tools' host-cost measurements; results are not those of a replay)."""
+
+    def capture(self, device: torch.device, fn: Any, pool: Pool | None = None) -> Any:
+        self._local.capturing = True
+        try:
+            out = fn()
+        finally:
+            self._local.capturing = False
+        return NullGraph(), out

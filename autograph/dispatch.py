@@ -190,10 +190,7 @@ class Engine:
         return self.trains and bool(key.modes[0]) and self._autograd_records(flat)
 
     def _autograd_records(self, flat: Flat) -> bool:
-        leaves = flat.leaves
-        if any(leaves[i].requires_grad for i in flat.tensor_pos):
-            return True
-        return self.watch.requires_grad()
+        return flat.requires_grad() or self.watch.requires_grad()
 
     def _new_entry(self, key: GraphKey) -> Entry:
         self._fresh += 1

@@ -45,6 +45,11 @@ class Flat:
         # object arguments (``objects.py``): (position, its walk, its key, the device)
         self.objects = objects
 
+    def requires_grad(self) -> bool:
+        """Whether a tensor argument requires grad."""
+        leaves = self.leaves
+        return any(leaves[i].requires_grad for i in self.tensor_pos)
+
     def object_storages(self) -> set[int]:
         """Storage addresses of the tensors inside object arguments (keyed by address:
         a graph may read them without a guard of its own)."""

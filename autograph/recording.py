@@ -36,12 +36,12 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
     timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
     engine.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
     with lifecycle.CAPTURE_LOCK, engine.profiler_range("warmup"):
-        trains = engine.for_backward(key, flat) and not entry.contained
+        trains = _trains(engine, key, entry, flat)
         run_warm = training.warm if trains else lifecycle.warm
         warmed = run_warm(engine.fn, flat, backend, device, engine.watch,
                           learn=entry.runs == 0, timed=timed)
     if (trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out)
-            and not any(flat.leaves[i].requires_grad for i in flat.tensor_pos)):
+            and not flat.requires_grad()):
         # nothing autograd recorded leaves the call (and no argument gets a .grad,
         # which a static buffer standing in for it would take): one plain graph
         entry.contained = True
@@ -57,6 +57,12 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         engine.cache.rekey(key, entry, flat, warmed.written)
     return warmed.out
 
+def _trains(engine: Engine, key: GraphKey, entry: Entry, flat: Flat) -> bool:
+    """Whether the key is warmed up and captured as a training graph (a whole step,
+    ``entry.contained``, is one plain graph)."""
+    return engine.for_backward(key, flat) and not entry.contained
+
+
 def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
              device: torch.device) -> Any:
     """Capture the call, replay it once for its result, and keep the graph."""
@@ -69,8 +75,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         start = time.perf_counter()
         before = backend.memory_reserved(device)
         inplace = engine.cache.in_place(key, flat)
-        run_capture = (training.capturer(stats)
-                       if engine.for_backward(key, flat) and not entry.contained
+        run_capture = (training.capturer(stats) if _trains(engine, key, entry, flat)
                        else lifecycle.capture)
         try:
             with engine.profiler_range("capture"):

@@ -48,8 +48,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         if problem is None and inner:  # its own backward would run once, at capture
             problem = Uncapturable(UNSUPPORTED, "the call runs a backward inside and "
                                    "returns a tensor that requires grad")
-    if problem is None and inner and any(flat.leaves[i].requires_grad
-                                         for i in flat.tensor_pos):
+    if problem is None and inner and flat.requires_grad():
         # a whole step (nothing leaves the call) whose backward gives an argument a
         # .grad: a static buffer standing in for the argument would take it
         problem = Uncapturable(UNSUPPORTED, "the call runs a backward inside that reaches "

@@ -280,10 +280,7 @@ class running:
         self.watch = watch
 
     def __enter__(self) -> None:
-        stack = getattr(_local, "running", None)
-        if stack is None:
-            stack = _local.running = []
-        stack.append(self.watch)
+        running_stack().append(self.watch)
 
     def __exit__(self, *exc: object) -> None:
         _local.running.pop()

@@ -177,7 +177,7 @@ class Engine:
             last = self._device = _find_backend(device)
         if last[2]():
             raise Uncapturable(EagerReason.CAPTURING)
-        if watch.hook_reason:
+        if watch.hook_reason and watch.hooks():
             raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
         if key.modes[0] and not self.trains and self._autograd_records(flat):
             raise Uncapturable(EagerReason.AUTOGRAD)

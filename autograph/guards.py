@@ -18,14 +18,20 @@ were taken while it was captured.  A :class:`Watch` guards one graphed callable:
 * Modules, tensors and plain scalars named by the function's globals and closure cells
   are re-read on every call and compared with what they were at capture.
 
+* Forward hooks registered later (``register_forward_hook``, ``..._pre_hook``, the
+  global ones) are reported by a wrapper of those methods: the callable's calls run
+  eagerly while a hook is registered, and replay again once it is removed.  A backward
+  hook registered later drops the graphs (a training graph checks for them at capture).
+
 What cannot be seen: state reached through other objects (``self.config.scale``),
-globals read by helper functions, writes straight into ``module.__dict__`` or into
-``_parameters`` at the same address with another shape, and hooks registered after a
-capture.  ``reset()`` drops a callable's graphs by hand.
+globals read by helper functions, writes straight into ``module.__dict__``, into
+``_parameters`` at the same address with another shape, or into a module's hook
+dictionaries.  ``reset()`` drops a callable's graphs by hand.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 import weakref
@@ -70,7 +76,9 @@ class Watch:
         # by a tensor of its shape and dtype (see ``moved_only``)
         self.altered = False
         self.assigned: str | None = None
+        # why module hooks forbid graphs now (or _RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
+        self._own: set[int] = set()  # modules whose own hooks run outside the graphs
         self._holders: list[Any] = []
         self._names: list[Any] = []
         self._ptrs: list[int] = []
@@ -108,8 +116,8 @@ class Watch:
         self._all = list(range(len(self._ptrs)))
         # a method's own module runs no hooks of its own (its forward is called, not
         # the module); every other module does, the ones the code names included
-        own = [] if self._hooks_of_roots else list(self._roots())
-        self.hook_reason = _hooks_reason(list(modules.values()), own)
+        self._own = set() if self._hooks_of_roots else {id(m) for m in self._roots()}
+        self.hook_reason = _hooks_reason(list(modules.values()), self._own)
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None
@@ -142,6 +150,13 @@ class Watch:
         if self.steps.active and not self.steps.ok():
             return False
         return not self._hidden or self._hidden_same()
+
+    def hooks(self) -> str | None:
+        """Why module hooks forbid graphs (called while ``hook_reason`` is set): read
+        again each time, so that a hook removed gives the graphs back."""
+        modules = [m for m in (ref() for ref in self._modules) if m is not None]
+        self.hook_reason = _hooks_reason(modules, self._own)
+        return self.hook_reason
 
     def _hidden_same(self) -> bool:
         for ref, ptr, version in self._hidden:
@@ -286,9 +301,9 @@ class running:
         _local.running.pop()
 
 
-def _hooks_reason(modules: list[nn.Module], outside: list[nn.Module]) -> str | None:
-    """Why module hooks forbid capture: a hook's Python side effects would not replay."""
-    skip = {id(m) for m in outside}
+def _hooks_reason(modules: list[nn.Module], skip: set[int]) -> str | None:
+    """Why module hooks forbid capture: a hook's Python side effects would not replay
+    (the hooks of the modules in ``skip`` run outside the graphs)."""
     from torch.nn.modules import module as mm
 
     for name in ("_global_forward_hooks", "_global_forward_pre_hooks"):
@@ -326,6 +341,41 @@ def _swap(module: nn.Module, name: str, value: Any) -> bool:
         if old is not None:
             return bool(old.shape == value.shape and old.dtype == value.dtype)
     return False
+
+
+_RECHECK = "hooks registered since the last check"
+
+
+def _hooks_added(module: nn.Module | None, backward: bool = False) -> None:
+    """A hook was registered on ``module`` (None: a global one, every watch): forward
+    hooks are read again at the next call; a backward hook drops the graphs."""
+    with _watched_lock:
+        if module is None:
+            found = [w for ws in _watched.values() for w in ws]
+        else:
+            found = list(_watched.get(id(module), ()))
+    for watch in found:
+        if backward:
+            watch.dirty = watch.altered = True
+        else:
+            watch.hook_reason = _RECHECK
+
+
+def _wrap_registration(owner: Any, name: str, backward: bool, on_module: bool) -> None:
+    """Make ``owner.name`` (a hook registration) report through :func:`_hooks_added`."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def register(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        module = args[0] if on_module else None
+        if module is None or id(module) in _watched:
+            _hooks_added(module, backward)
+        return handle
+
+    setattr(owner, name, register)
 
 
 def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
@@ -373,4 +423,14 @@ def _install() -> None:
             register = getattr(mm, f"register_module_{hook}_registration_hook", None)
             if register is not None:
                 register(registered)
+        for name in ("register_forward_hook", "register_forward_pre_hook"):
+            _wrap_registration(_Module, name, backward=False, on_module=True)
+        for name in ("register_full_backward_hook", "register_full_backward_pre_hook",
+                     "register_backward_hook"):
+            _wrap_registration(_Module, name, backward=True, on_module=True)
+        for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
+            _wrap_registration(mm, name, backward=False, on_module=False)
+        for name in ("register_module_full_backward_hook",
+                     "register_module_full_backward_pre_hook", "register_module_backward_hook"):
+            _wrap_registration(mm, name, backward=True, on_module=False)
         _installed = True

@@ -1,5 +1,7 @@
 """Python state that graphs bake in never goes stale: parameters, attributes, globals."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -327,3 +329,64 @@ def test_hooks_of_a_graphed_forward_s_own_module_run_outside_it(standin):
             m(torch.randn(2, 4))
     assert len(runs) == 6
     assert autograph.stats(m.forward)["replays"] >= 3
+
+
+def test_a_forward_hook_registered_after_capture_runs_and_its_removal_gives_graphs_back(
+        standin):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    g = autograph.graphed(m)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(g(x), m(x))
+        handle = m[1].register_forward_hook(lambda mod, i, o: o * 0 + 1)
+        pre = m[2].register_forward_pre_hook(lambda mod, i: (i[0] * 2,))
+        for _ in range(2):
+            torch.testing.assert_close(g(x), m(x))
+        assert autograph.stats(g)["eager_reasons"].get("hooks") == 2
+        handle.remove()
+        pre.remove()
+        replays = autograph.stats(g)["replays"]
+        for _ in range(2):
+            torch.testing.assert_close(g(x), m(x))
+    s = autograph.stats(g)
+    assert s["replays"] == replays + 2 and s["captures"] == 1, s  # the same graph again
+
+
+def test_a_global_forward_hook_registered_after_capture_runs(standin):
+    from torch.nn.modules import module as mm
+
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    g = autograph.graphed(m)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            g(x)
+        handle = mm.register_module_forward_hook(lambda mod, i, o: o + 1)
+        try:
+            torch.testing.assert_close(g(x), m(x))
+        finally:
+            handle.remove()
+        torch.testing.assert_close(g(x), m(x))
+    s = autograph.stats(g)
+    assert s["eager_reasons"].get("hooks") == 1 and s["replays"] >= 2, s
+
+
+def test_a_backward_hook_registered_after_a_training_capture_runs(standin):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = copy.deepcopy(m)
+    g = autograph.graphed(m)
+    x = torch.randn(3, 4)
+    for _ in range(4):
+        g(x).sum().backward()
+    assert autograph.stats(g)["replays"] >= 1
+    seen = []
+    for mod in (m, ref):
+        mod[1].register_full_backward_hook(lambda mod, gi, go: seen.append(1))
+        mod.zero_grad()
+    g(x).sum().backward()
+    ref(x).sum().backward()
+    assert len(seen) == 2
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)

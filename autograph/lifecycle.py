@@ -78,7 +78,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     watch.assigned = None
     host = _host_random_state(device) if learn else None
     hosts = counters.hold(flat)
-    with nested_block(), running(watch):
+    with nested_block(), running(watch), _no_autocast_cache():  # as capture: no stale casts read
         if timed:
             backend.synchronize(device)
         start = time.perf_counter()

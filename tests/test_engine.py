@@ -419,3 +419,21 @@ def test_write_recorder_stays_out_of_dynamo_only_once_dynamo_is_imported(monkeyp
     with mutation.WriteRecorder(mutation.watch_map([x], (0,))) as rec:
         x.add_(1)
     assert rec.written == {0}
+
+
+def test_autocast_weight_casts_cached_by_eager_calls_are_no_hidden_reads(standin):
+    """An eager call in an autocast block caches the weights' casts; a warmup in the same
+    block must not read them (the block's end frees them: a guard on them would drop
+    every graph), as the capture does not."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(10):
+            x = torch.randn(2, 8)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(i % 2)):
+                want = m(x)
+                got = g(x)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+    s = autograph.stats(g)
+    assert s["invalidations"] == 0 and s["replays"] >= 4, s

@@ -57,13 +57,14 @@ class WritesFound(Exception):
 class Warmed:
     """What one warmup run learned."""
 
-    __slots__ = ("out", "written", "hidden", "seconds", "problem")
+    __slots__ = ("out", "written", "hidden", "seeded", "seconds", "problem")
 
     def __init__(self, out: Any, written: set[int], hidden: list[torch.Tensor],
-                 seconds: float, problem: Uncapturable | None) -> None:
+                 seeded: bool | None, seconds: float, problem: Uncapturable | None) -> None:
         self.out = out
         self.written = written
         self.hidden = hidden
+        self.seeded = seeded  # whether it drew random numbers on the device (None: not learned)
         self.seconds = seconds
         self.problem = problem  # why graphs would get this call wrong, or None
 
@@ -78,12 +79,13 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     watch.assigned = None
     host = _host_random_state(device) if learn else None
     hosts = counters.hold(flat)
+    reads = StateReads(device) if learn else None
     with nested_block(), running(watch), _no_autocast_cache():  # as capture: no stale casts read
         if timed:
             backend.synchronize(device)
         start = time.perf_counter()
         with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK, \
-                hosts.constants(recorder):
+                reads if reads is not None else _NO_BLOCK, hosts.constants(recorder):
             out = fn(*args, **kwargs)
         if timed:
             backend.synchronize(device)
@@ -91,14 +93,18 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     backend.after_warmup(device, out)
     hosts.rewind()  # their advance is no structural change (counters.py)
     try:
+        if reads is not None and recorder is not None:  # first: training ignores AUTOGRAD
+            reads.check(recorder.seeded)
         _check(watch, out, host, device)
         _check_objects(flat)
         problem = None
     except Uncapturable as exc:
         problem = exc
     hosts.settle()
-    return Warmed(out, recorder.written if recorder else set(),
-                  list(recorder.hidden.values()) if recorder else [], seconds, problem)
+    if recorder is None:
+        return Warmed(out, set(), [], None, seconds, problem)
+    return Warmed(out, recorder.written, list(recorder.hidden.values()), recorder.seeded,
+                  seconds, problem)
 
 
 def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
@@ -136,6 +142,42 @@ def _known(flat: Flat, watch: Watch) -> set[int]:
     return known
 
 
+class StateReads:
+    """Notes whether the call, on this thread, reads the state of the generator its
+    graph would draw from (``torch.cuda.get_rng_state``; the CPU one on the CPU
+    stand-in), as activation checkpointing does to redraw the same numbers in the
+    backward.  A graph would keep the value read at capture, while its replays draw on:
+    with random numbers drawn too, the call must run eagerly (:meth:`check`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        owner = torch.cuda if device.type == "cuda" else torch
+        names = ("get_rng_state", "get_rng_state_all") if device.type == "cuda" \
+            else ("get_rng_state",)
+        self._spied = [(owner, n, getattr(owner, n)) for n in names if hasattr(owner, n)]
+        self._thread = threading.get_ident()
+        self.read = False
+
+    def _spy(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def read(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == self._thread:
+                self.read = True
+            return original(*args, **kwargs)
+        return read
+
+    def __enter__(self) -> StateReads:
+        for owner, name, original in self._spied:
+            setattr(owner, name, self._spy(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in self._spied:
+            setattr(owner, name, original)
+
+    def check(self, seeded: bool) -> None:
+        if self.read and seeded:
+            raise Uncapturable(EagerReason.RNG_STATE)
+
+
 def _host_random_state(device: torch.device) -> tuple[Any, ...]:
     """The host generators a forward might draw from to decide what to run (torch's
     CPU generator is the device's own when the graph runs on the CPU stand-in)."""
@@ -170,8 +212,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     host = _host_random_state(device)
     stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
 
+    reads = StateReads(device)
+
     def recorded() -> Any:  # the recorder innermost: it sees the very tensors written
-        with stepped, footprint, recorder:
+        with stepped, footprint, reads, recorder:
             return fn(*args, **kwargs)
 
     with nested_block(), running(watch), _no_autocast_cache(), hosts.constants(recorder):
@@ -188,6 +232,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         finally:
             needs = footprint.close()
             hosts.rewind()
+    reads.check(recorder.seeded)
     _check(watch, None, host, device)
     _check_objects(flat)
     watch.steps.add(stepped.optimizers)

@@ -49,6 +49,7 @@ class EagerReason(enum.Enum):
     AUTOGRAD = "autograd"
     ASSIGNS = "assigns_attribute"
     HOST_RANDOM = "host_random"
+    RNG_STATE = "reads_rng_state"
     OUTPUT = "unsupported_output"
     CAPTURE_FAILED = "capture_failed"
     REPLAY_FAILED = "replay_failed"
@@ -87,6 +88,9 @@ _MESSAGES = {
                           "training (backward=False, or group=; use torch.no_grad())",
     EagerReason.ASSIGNS: "the forward assigns a module attribute",
     EagerReason.HOST_RANDOM: "the forward draws host random numbers to decide what to run",
+    EagerReason.RNG_STATE: "the forward reads the generator's state and draws random "
+                           "numbers (activation checkpointing): a graph would keep the "
+                           "state it read",
     EagerReason.OUTPUT: "an output cannot be handed back safely",
     EagerReason.CAPTURE_FAILED: "capture failed",
     EagerReason.REPLAY_FAILED: "replay failed",

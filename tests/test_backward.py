@@ -643,3 +643,37 @@ def test_outputs_reuse_lends_the_single_output_and_protects_a_held_one():
         assert torch.equal(p.grad, q.grad)
     s = autograph.stats(g)
     assert s["outputs_protected"] == 1 and s["eager_reasons"]["outputs_held"] == 1
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(p), nn.Linear(16, 8))
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_activation_checkpointing_gradients_equal_eager(standin, p):
+    """Checkpointing reads the generator's state in the forward and redraws the same
+    numbers in the backward: a graph would keep the state read at capture while its
+    replays draw on, so with dropout the call runs eagerly; without, it replays."""
+    torch.manual_seed(0)
+    m = _Checkpointed(p)
+    ref = copy.deepcopy(m)
+    g = autograph.graphed(m)
+    for i in range(6):
+        x = torch.randn(4, 8)
+        torch.manual_seed(i)
+        ref(x).square().sum().backward()
+        torch.manual_seed(i)
+        g(x).square().sum().backward()
+        for a, b in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    s = autograph.stats(g)
+    if p:
+        assert s["replays"] == 0 and s["eager_reasons"].get("reads_rng_state") == 5, s
+    else:
+        assert s["replays"] >= 2, s

@@ -68,8 +68,8 @@ class _OnPool:
         self.order_replay = backend.order_replay  # per call: not through __getattr__
 
     def capture(self, device: torch.device, fn: Callable[[], Any],
-                pool: Pool | None = None) -> Any:
-        return self._backend.capture(device, fn, self._pool)
+                pool: Pool | None = None, rng_free: bool = False) -> Any:
+        return self._backend.capture(device, fn, self._pool, rng_free=rng_free)
 
     def pool(self, device: torch.device) -> Pool:
         return self._pool

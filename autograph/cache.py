@@ -53,7 +53,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest", "repeat", "direct", "contained", "warm_first",
+        "used", "digest", "repeat", "direct", "contained", "warm_first", "draws",
     )
 
     def __init__(self) -> None:
@@ -75,6 +75,9 @@ class Entry:
         self.contained = False
         # warm up at least once before capturing (its last capture raised)
         self.warm_first = False
+        # whether the call draws random numbers on the device, as its warmup found
+        # (None: unknown); a call known to draw none is captured without the generator
+        self.draws: bool | None = None
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""

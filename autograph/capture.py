@@ -15,6 +15,9 @@ Contract of a backend:
 * ``capture(device, fn)``: capture ``fn()`` into a new graph in the device's shared
   pool and return ``(graph, output)``.  On any error the capture is ended cleanly and
   the error propagates.  Nothing has run yet when it returns: ``graph.replay()`` runs it.
+  With ``rng_free=True`` (the call is known to draw no random numbers on the device)
+  the device's random number generator is left out of the capture, so other threads
+  keep drawing from it meanwhile (see :func:`_begin`).
 * ``memory_reserved(device)``: bytes the allocator holds, to measure graph memory.
 * ``pool(device)``: the :class:`Pool` shared by every graph of the device;
   ``private_pool(device)``: a new pool of its own (sharing the device's replay lock),
@@ -67,7 +70,7 @@ class Backend(Protocol):
     def capturing(self, device: torch.device) -> Callable[[], bool]: ...
     def warmup(self, device: torch.device) -> contextlib.AbstractContextManager[None]: ...
     def capture(self, device: torch.device, fn: Callable[[], T],
-                pool: Pool | None = None) -> tuple[Graph, T]: ...
+                pool: Pool | None = None, rng_free: bool = False) -> tuple[Graph, T]: ...
     def memory_reserved(self, device: torch.device) -> int: ...
     def pool(self, device: torch.device) -> Pool: ...
     def private_pool(self, device: torch.device) -> Pool: ...
@@ -147,7 +150,7 @@ class CudaBackend:
                 leaf.record_stream(caller)
 
     def capture(self, device: torch.device, fn: Callable[[], T],
-                pool: Pool | None = None) -> tuple[Graph, T]:
+                pool: Pool | None = None, rng_free: bool = False) -> tuple[Graph, T]:
         index = _index(device)
         if pool is None:
             pool = self.pool(device)
@@ -165,7 +168,7 @@ class CudaBackend:
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
                 with torch.cuda.stream(side), pool.lock:
-                    graph.capture_begin(pool=pool.handle, capture_error_mode="thread_local")
+                    _begin(graph, pool.handle, index, rng_free)
                     try:
                         output = fn()
                         graph.capture_end()
@@ -189,10 +192,12 @@ class CudaBackend:
         is made, whose anchor capture completes and clears the generator's flag; then
         the generator state saved before the capture is restored.
         """
+        side = self._stream(index)
         with self._lock:
             self._pools.pop(index, None)
-        with contextlib.suppress(Exception):
-            self.pool(torch.device("cuda", index))
+            gate = self._gates.setdefault(index, threading.Lock())
+            with contextlib.suppress(Exception):
+                self._pools[index] = _new_pool(index, side, gate, rng_free=False)
         with contextlib.suppress(Exception):
             torch.cuda.set_rng_state(rng, index)
 
@@ -225,13 +230,16 @@ _stream_capturing = getattr(
 )
 
 
-def _new_pool(index: int, stream: torch.cuda.Stream, gate: threading.Lock) -> Pool:
+def _new_pool(index: int, stream: torch.cuda.Stream, gate: threading.Lock,
+              rng_free: bool = True) -> Pool:
     """A graph memory pool for device ``index`` that lives as long as the process.
 
     The allocator frees a graph pool together with its last graph, and its id must not
     be used after that.  A tiny anchor graph captured into the pool keeps it alive, so
     graphs can come and go (evicted, invalidated, garbage collected) and the pool, with
-    the memory it caches for the next capture, stays valid.
+    the memory it caches for the next capture, stays valid.  ``rng_free=False``: the
+    anchor is captured with the device's generator, which it clears of the capturing
+    flag a failed capture left (``CudaBackend._recover``).
     """
     with torch.cuda.device(index):
         handle = torch.cuda.graph_pool_handle()
@@ -239,11 +247,47 @@ def _new_pool(index: int, stream: torch.cuda.Stream, gate: threading.Lock) -> Po
         anchor = torch.cuda.CUDAGraph()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            anchor.capture_begin(pool=handle, capture_error_mode="thread_local")
+            _begin(anchor, handle, index, rng_free)
             scratch.add_(1)
             anchor.capture_end()
         torch.cuda.current_stream().wait_stream(stream)
     return Pool(handle, anchor, gate)
+
+
+def _begin(graph: torch.cuda.CUDAGraph, handle: Any, index: int, rng_free: bool) -> None:
+    """Begin capturing ``graph`` on the current stream into pool ``handle``.
+
+    ``capture_begin`` registers the device's default generator with the graph and
+    flags its state as capturing until ``capture_end``: meanwhile a random operator on
+    any other thread raises ("Offset increment outside graph capture encountered
+    unexpectedly"), where eager runs it.  For a call known to draw no random numbers
+    (``rng_free``), the generator holds a state of its own while the capture begins:
+    that state is registered and flagged, and the real one is back before the call
+    runs, so other threads draw as usual.  A random operator of the call itself would
+    then find the real state unflagged: torch raises, or the engine's recorder sees
+    it, and the call is captured again the usual way (``lifecycle.RandomFound``).
+
+    What is left is the start of the capture (about 50 µs on an H200): a draw by
+    another thread then fails as before, or (in its first microseconds) draws from the
+    stand-in state, whose own random seed repeats none of the real state's numbers.
+    """
+    gen = torch.cuda.default_generators[index] if rng_free and _GRAPHSAFE else None
+    if gen is None:
+        graph.capture_begin(pool=handle, capture_error_mode="thread_local")
+        return
+    live = gen.graphsafe_get_state()
+    apart = torch.Generator(device=gen.device)
+    apart.seed()
+    gen.graphsafe_set_state(apart)
+    try:
+        graph.capture_begin(pool=handle, capture_error_mode="thread_local")
+    finally:
+        gen.graphsafe_set_state(live)
+
+
+# torch's graph-safe generator states (swapped without a copy of the state tensor)
+_GRAPHSAFE = all(hasattr(torch.Generator, name)
+                 for name in ("graphsafe_get_state", "graphsafe_set_state", "clone_state"))
 
 
 def _index(device: torch.device) -> int:

@@ -46,6 +46,11 @@ CAPTURE_LOCK = threading.RLock()
 CAPTURE_ERRORS = (RuntimeError, MemoryError)
 
 
+class RandomFound(Exception):
+    """A capture without the device's generator (``rng_free``) found the call drawing
+    random numbers after all: capture it again with the generator."""
+
+
 class WritesFound(Exception):
     """The capture found arguments written through no declared operator write."""
 
@@ -192,9 +197,12 @@ def _host_random_state(device: torch.device) -> tuple[Any, ...]:
 
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
-            watch: Watch, inplace: tuple[int, ...], reuse: bool = False) -> Captured:
+            watch: Watch, inplace: tuple[int, ...], reuse: bool = False,
+            rng_free: bool = False) -> Captured:
     """Capture the call on static buffers (arguments at ``inplace`` at the caller's own
-    address).  Nothing has run when it returns: the first replay produces the result."""
+    address).  Nothing has run when it returns: the first replay produces the result.
+    ``rng_free``: its warmup drew no random numbers; capture it without the device's
+    generator (``Backend.capture``), or raise :class:`RandomFound` if it draws some."""
     leaves = list(flat.leaves)
     static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
     args, kwargs = flat.rebuild(static.substitute(leaves))
@@ -221,8 +229,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     with nested_block(), running(watch), _no_autocast_cache(), hosts.constants(recorder):
         try:
             hosts.stand_in()
-            graph, out = backend.capture(device, recorded)
+            graph, out = backend.capture(device, recorded, rng_free=rng_free)
         except CAPTURE_ERRORS as exc:
+            if rng_free and (recorder.seeded or "not in capture mode" in str(exc)):
+                raise RandomFound() from exc
             raise Uncapturable(EagerReason.CAPTURE_FAILED, _first_line(exc)) from exc
         except TypeError as exc:
             if "HostCounter" not in str(exc):
@@ -232,6 +242,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         finally:
             needs = footprint.close()
             hosts.rewind()
+    if rng_free and recorder.seeded:  # its numbers would be frozen into the graph
+        raise RandomFound()
     reads.check(recorder.seeded)
     _check(watch, None, host, device)
     _check_objects(flat)

@@ -49,6 +49,8 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         entry.give_up(warmed.problem.reason, warmed.problem.detail)
         return warmed.out
     entry.runs += 1
+    if warmed.seeded is not None:
+        entry.draws = warmed.seeded or bool(entry.draws)
     if timed:
         entry.eager_s = min(entry.eager_s, warmed.seconds)
     if warmed.hidden:
@@ -80,7 +82,11 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         try:
             with engine.profiler_range("capture"):
                 captured = run_capture(engine.fn, flat, backend, device, engine.watch,
-                                   inplace, engine.options.outputs == "reuse")
+                                       inplace, engine.options.outputs == "reuse",
+                                       rng_free=entry.draws is False)
+        except lifecycle.RandomFound:  # its warmup drew none, its capture did
+            entry.draws = True
+            return capture(engine, key, entry, flat, backend, device)
         except lifecycle.WritesFound as found:
             engine.cache.rekey(key, entry, flat, found.positions)
             stats.count_eager(EagerReason.IN_PLACE, warn=False)

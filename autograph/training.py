@@ -110,7 +110,7 @@ def backward_hooks(watch: Watch) -> str | None:
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
             watch: Watch, inplace: tuple[int, ...], stats: Stats | None = None,
-            reuse: bool = False) -> Trained:
+            reuse: bool = False, rng_free: bool = False) -> Trained:
     """Capture the forward of a call that autograd records (see ``backward``)."""
     if inplace:
         raise Uncapturable(UNSUPPORTED, "the call writes an argument in place")
@@ -152,7 +152,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         return out
 
     on_pool = _OnPool(backend, backend.private_pool(device))
-    base = lifecycle.capture(forward, flat, on_pool, device, watch, ())  # type: ignore[arg-type]
+    base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
+                             rng_free=rng_free)
     if base.effects is not None:  # Trained's replay does not apply them
         raise Uncapturable(UNSUPPORTED, "the call advances a host counter of an argument "
                            "object (counters.py)")
@@ -174,8 +175,8 @@ def capturer(stats: Stats) -> Callable[..., Trained]:
     """:func:`capture` with the callable's counters, in ``lifecycle.capture``'s form."""
     def capture_for(fn: Callable[..., Any], flat: Flat, backend: Backend,
                     device: torch.device, watch: Watch, inplace: tuple[int, ...],
-                    reuse: bool = False) -> Trained:
-        return capture(fn, flat, backend, device, watch, inplace, stats, reuse)
+                    reuse: bool = False, rng_free: bool = False) -> Trained:
+        return capture(fn, flat, backend, device, watch, inplace, stats, reuse, rng_free)
 
     return capture_for
 

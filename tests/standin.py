@@ -141,6 +141,7 @@ class StandinBackend:
         self.fail_next: BaseException | None = None
         self.replay_delay = 0.0  # seconds each replay sleeps (to test min_speedup)
         self.pools_used: list[Pool] = []  # the pool of each capture, in order
+        self.rng_free: list[bool] = []  # each capture's rng_free, in order
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -159,8 +160,9 @@ class StandinBackend:
         pass
 
     def capture(self, device: torch.device, fn: Callable[[], T],
-                pool: Pool | None = None) -> tuple[RecordedGraph, T]:
+                pool: Pool | None = None, rng_free: bool = False) -> tuple[RecordedGraph, T]:
         recorder = _Recorder()
+        self.rng_free.append(rng_free)
         self.pools_used.append(pool if pool is not None else self._pool)
         self._local.capturing = True
         try:
@@ -207,7 +209,8 @@ class NullBackend(StandinBackend):
     nothing, so what remains is the Python and the operators around the graphs (the
     tools' host-cost measurements; results are not those of a replay)."""
 
-    def capture(self, device: torch.device, fn: Any, pool: Pool | None = None) -> Any:
+    def capture(self, device: torch.device, fn: Any, pool: Pool | None = None,
+                rng_free: bool = False) -> Any:
         self._local.capturing = True
         try:
             out = fn()

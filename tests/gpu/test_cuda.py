@@ -3,6 +3,7 @@ random inputs.  Skipped without CUDA."""
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -320,6 +321,62 @@ def test_autocast_and_inference_mode():
         assert out.dtype == torch.float16
         torch.testing.assert_close(out, expect, **FP16)
     assert autograph.stats(g)["replays"] == 1
+
+
+def test_autocast_blocks_alternating_with_eager_calls_first_keep_their_graphs():
+    """Eager calls in an autocast block cache the weights' casts, which the block's end
+    frees: a warmup that read them would guard them and drop every graph."""
+    model = mlp(64, 2).cuda()
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(4, 64, device="cuda")
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bool(i % 2)):
+                want = model(x)
+                got = g(x)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, **FP16)
+    s = autograph.stats(g)
+    assert s["invalidations"] == 0 and s["replays"] >= 6, s
+
+
+def test_another_thread_draws_random_numbers_while_graphs_are_captured():
+    """A capture of a call that draws no random numbers leaves the CUDA generator to
+    other threads but for the start of the capture: a thread drawing every 0.5 ms saw
+    about one failed draw per capture before (71 over 60 captures on the H200), and
+    3 or fewer now.  Their numbers still follow the seed."""
+    model = mlp(64, 3).cuda().eval()
+    g = autograph.graphed(model, warmup=1)
+    stop, failed, drawn = threading.Event(), [0], [0]
+
+    def drawer():
+        while not stop.is_set():
+            try:
+                torch.randn(256, device="cuda")
+                drawn[0] += 1
+            except RuntimeError:
+                failed[0] += 1
+            time.sleep(0.0005)
+
+    gen = torch.Generator().manual_seed(0)
+    thread = threading.Thread(target=drawer)
+    thread.start()
+    try:
+        with torch.no_grad():
+            for n in range(1, 31):  # a new shape each: a capture each
+                x = torch.randn(n, 64, generator=gen).cuda()
+                for _ in range(3):
+                    torch.testing.assert_close(g(x), model(x))
+    finally:
+        stop.set()
+        thread.join()
+    s = autograph.stats(g)
+    assert s["captures"] == 30 and s["replays"] >= 30, s
+    assert drawn[0] > 30 and failed[0] <= 5, (drawn[0], failed[0])
+    torch.cuda.manual_seed(3)
+    a = torch.randn(8, device="cuda")
+    torch.cuda.manual_seed(3)
+    assert torch.equal(a, torch.randn(8, device="cuda"))
 
 
 def test_autograd_runs_eagerly_with_eager_gradients():

@@ -621,3 +621,75 @@ def test_transformers_bert_with_a_fully_padded_row_in_a_region():
             expect = model(input_ids=ids, attention_mask=mask).last_hidden_state
             torch.testing.assert_close(out, expect, rtol=1e-3, atol=1e-3, equal_nan=True)
     counts(model)
+
+
+# Found on the H200 by the exploratory run of 2026-12-01 -------------------------------
+
+
+def test_a_forward_hook_registered_after_capture_runs_and_removed_gives_graphs_back():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).cuda().eval()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = randn(3, 16)
+            torch.testing.assert_close(g(x), m(x))
+        handle = m[1].register_forward_hook(lambda mod, i, o: o * 0 + 1)
+        x = randn(3, 16)
+        torch.testing.assert_close(g(x), m(x))
+        handle.remove()
+        before = autograph.stats(g)["replays"]
+        for _ in range(3):
+            x = randn(3, 16)
+            torch.testing.assert_close(g(x), m(x))
+    s = counts(g)
+    assert s["eager_reasons"].get("hooks") == 1 and s["replays"] == before + 3, s
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_activation_checkpointing_with_and_without_dropout_gradients_equal_eager(p):
+    from torch.utils.checkpoint import checkpoint
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(p),
+                                   nn.Linear(64, 32))
+            self.b = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=False))
+
+    torch.manual_seed(0)
+    m = M().cuda()
+    ref = copy.deepcopy(m)
+    g = autograph.graphed(m)
+    for i in range(CALLS):
+        x = randn(8, 32)
+        torch.manual_seed(i)
+        ref(x).square().sum().backward()
+        torch.manual_seed(i)
+        g(x).square().sum().backward()
+        for a, b in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    s = counts(g)
+    if p:
+        assert s["eager_reasons"].get("reads_rng_state") == CALLS - 1, s
+    else:
+        assert s["replays"] > 0, s
+
+
+def test_autocast_alternating_with_eager_calls_in_the_block_replays():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 8)).cuda()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(4 * CALLS):
+            x = randn(4, 64)
+            with torch.autocast(CUDA, dtype=torch.bfloat16, enabled=bool(i % 2)):
+                want = m(x)
+                got = g(x)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    s = replayed(g)
+    assert s["invalidations"] == 0, s

@@ -124,6 +124,7 @@ def output_builder(
     inplace: tuple[int, ...],
     persistent: set[int],
     reuse: bool = False,
+    aliases: bool = True,
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
@@ -135,6 +136,9 @@ def output_builder(
     * anything else lives in the graph pool and is cloned on every call; with
       ``reuse``, handed out as a new alias of the graph's tensor (a tensor object of
       its own, so that the caller holding it shows in its storage's use count).
+      Outputs that share a storage (the same tensor twice, a tensor and views of it)
+      are cloned together and handed out as the same views of one copy, as eager
+      returns them (:class:`_Shared`; not with ``aliases=False``).
 
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
@@ -156,6 +160,10 @@ def output_builder(
             continue
         makers.append(_leaf_maker(value, arg_storage, persistent, reuse))
     pool_outputs = [v for v, make in zip(flat, makers) if _is_clone(make)]
+    shared = _Shared.find(flat, makers) if aliases and not reuse else []
+    for group in shared:
+        for k in group.members:
+            makers[k] = _filled_by_group
 
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and _is_clone(makers[0]):
         out0 = flat[0]
@@ -169,7 +177,13 @@ def output_builder(
         return build_one
 
     record = _record_maker(output, spec, flat)
-    if record is not None:
+    if shared:
+        def build(call_leaves: list[Any]) -> Any:
+            made = [make(call_leaves) for make in makers]
+            for group in shared:
+                group.fill(made)
+            return record(made) if record is not None else pytree.tree_unflatten(made, spec)
+    elif record is not None:
         def build(call_leaves: list[Any]) -> Any:
             return record([make(call_leaves) for make in makers])
     else:
@@ -281,6 +295,49 @@ def _leaf_maker(
 
     clone._clone = True  # type: ignore[attr-defined]
     return clone
+
+
+def _filled_by_group(_leaves: list[Any]) -> None:
+    return None
+
+
+class _Shared:
+    """Pool outputs that share one storage, cloned together on every call: one copy of
+    the span of the storage they cover, and each output that view of it (the same
+    tensor object for an output that was the same object), so that writing through
+    one shows in the others as in eager mode."""
+
+    __slots__ = ("span", "members", "views", "first")
+
+    def __init__(self, values: list[torch.Tensor], members: list[int]) -> None:
+        lo = min(values[k].storage_offset() for k in members)
+        hi = max(values[k].storage_offset() + _extent(values[k]) for k in members)
+        first = values[members[0]]
+        self.span = first.as_strided((hi - lo,), (1,), lo)  # pool memory, read per call
+        self.members = members
+        self.views = [(k, values[k].shape, values[k].stride(), values[k].storage_offset() - lo)
+                      for k in members]
+        ids: dict[int, int] = {}  # the first member that is the same object as member k
+        self.first = [ids.setdefault(id(values[k]), k) for k in members]
+
+    @staticmethod
+    def find(values: list[Any], makers: list[Callable[..., Any]]) -> list[_Shared]:
+        by_storage: dict[int, list[int]] = {}
+        for k, (v, make) in enumerate(zip(values, makers)):
+            if _is_clone(make) and v.numel():
+                by_storage.setdefault(storage_ptr(v), []).append(k)
+        return [_Shared(values, ks) for ks in by_storage.values()
+                if len(ks) > 1 and len({values[k].dtype for k in ks}) == 1]
+
+    def fill(self, made: list[Any]) -> None:
+        copy = self.span.clone()
+        for (k, size, stride, offset), first in zip(self.views, self.first):
+            made[k] = made[first] if first != k else copy.as_strided(size, stride, offset)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage ``t`` spans from its offset (1 + the last element's index)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:

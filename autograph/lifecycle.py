@@ -198,7 +198,7 @@ def _host_random_state(device: torch.device) -> tuple[Any, ...]:
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
             watch: Watch, inplace: tuple[int, ...], reuse: bool = False,
-            rng_free: bool = False) -> Captured:
+            rng_free: bool = False, aliases: bool = True) -> Captured:
     """Capture the call on static buffers (arguments at ``inplace`` at the caller's own
     address).  Nothing has run when it returns: the first replay produces the result.
     ``rng_free``: its warmup drew no random numbers; capture it without the device's
@@ -253,7 +253,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
-    build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse)
+    build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse, aliases)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
     captured = Captured(graph, static, build, backend, device, recorder.seeded,
                         list(recorder.hidden.values()), state_written, inplace, reuse)

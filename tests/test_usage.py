@@ -247,6 +247,47 @@ def test_an_output_view_of_a_written_strided_argument():
     counts(g)
 
 
+def shared_outputs(x):
+    y = x * 2
+    return y, y, y[1:], y.t(), x + 1
+
+
+def test_outputs_sharing_a_storage_share_it_after_a_replay_too():
+    """The same tensor twice, a slice and a transpose of it: one copy, those views of
+    it (the same object where eager returns the same object), so that a write through
+    one shows in the others as in eager mode."""
+    g = autograph.graphed(shared_outputs)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(3, 3)
+            got, expect = g(x), shared_outputs(x)
+            torch.testing.assert_close(got, expect)
+            a, b, c, d, e = got
+            assert a is b and c.data_ptr() == a[1:].data_ptr() and d.data_ptr() == a.data_ptr()
+            assert e.data_ptr() != a.data_ptr()
+            a.fill_(5)
+            assert (c == 5).all() and (d == 5).all() and not (e == 5).all()
+    replayed(g)
+
+
+def test_outputs_sharing_a_storage_under_autograd_are_right():
+    """A training graph hands its outputs out through an autograd Function, one clone
+    each (views made inside a Function could not be written in place)."""
+    class Shared(nn.Linear):
+        def forward(self, x):
+            return shared_outputs(super().forward(x))
+
+    m = Shared(3, 3)
+    g = autograph.graphed(m)
+    for _ in range(CALLS):
+        x = torch.randn(3, 3)
+        got, expect = g(x), m(x)
+        torch.testing.assert_close(got, expect)
+        sum(t.sum() for t in got).backward()
+    s = replayed(g)
+    assert s["backward_replays"] + s["backward_eager"] > 0, s
+
+
 # 3. Exceptions ----------------------------------------------------------------------
 
 

@@ -693,3 +693,21 @@ def test_autocast_alternating_with_eager_calls_in_the_block_replays():
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     s = replayed(g)
     assert s["invalidations"] == 0, s
+
+
+def test_outputs_sharing_a_storage_share_it_after_a_replay_too():
+    def f(x):
+        y = x * 2
+        return y, y, y[1:], y.t(), x + 1
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = randn(3, 3)
+            got, expect = g(x), f(x)
+            torch.testing.assert_close(got, expect)
+            a, b, c, d, _ = got
+            assert a is b and c.data_ptr() == a[1:].data_ptr() and d.data_ptr() == a.data_ptr()
+            a.fill_(5)
+            assert (c == 5).all() and (d == 5).all()
+    replayed(g)

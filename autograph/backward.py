@@ -133,8 +133,8 @@ class Trained(replay.Captured):
         self.want_backward = False  # capture the next backward graph at the next call
         self.backward_graph: GradGraph | None = None  # hands out its gradients
         self.spare: GradGraph | None = None  # copies them out: when the first is held
-        # whether a call needs the spare (the first one's gradients are held); until
-        # the spare is captured (or failed to)
+        # whether a backward finding the first one's gradients held may ask for the
+        # spare (want_backward: captured at the next call); until it is tried once
         self.spare_due: Callable[[], bool] | None = None
 
     # -- forward ---------------------------------------------------------------------
@@ -149,8 +149,7 @@ class Trained(replay.Captured):
         def run(leaves: Any) -> Any:
             if [t.requires_grad for t in state] != flags_list:
                 return self._hold()
-            due = self.spare_due
-            if self.want_backward or (due is not None and due()):
+            if self.want_backward:  # set by a backward that ran eagerly (replay_backward)
                 self._capture_backward()
             inputs = [leaves[i] for i in sources] + inputs_state if sources \
                 else inputs_state
@@ -276,8 +275,9 @@ class Trained(replay.Captured):
 
     def _capture_backward(self) -> None:
         """Capture the backward graph (at the call after the first backward), or the
-        spare (at a call that finds the first one's gradients held: as ``.grad`` when
-        accumulating over micro-batches, its backward will need the spare)."""
+        spare (at the call after a backward that found the first one's gradients held:
+        as ``.grad`` when accumulating over micro-batches).  Forward calls do not look
+        for held gradients themselves: that would cost every call a use-count pass."""
         with lifecycle.CAPTURE_LOCK:
             first = self.backward_graph is None
             if not (self.want_backward if first else self.spare_due is not None):

@@ -157,7 +157,7 @@ def test_transformer_with_dropout_draws_fresh_masks():
     a, b = g(x), g(x)  # a is held: b runs eagerly; both draw their own masks
     assert not torch.equal(a, b)
     s = autograph.stats(g)
-    assert s["replays"] >= 4 and s["backward_replays"] == 3
+    assert s["replays"] >= 4 and s["backward_replays"] == 2  # as in test_training_equals_eager
 
 
 def test_dropout_gradients_follow_each_replays_mask():

@@ -34,8 +34,9 @@ training:
   A backward whose call does not own the spill set first spills the owner (if pending),
   copies its own state back and becomes the owner; its copy is then dropped.  Memory
   thus grows like eager's only while outputs are held.  Where the spill set cannot be
-  known, such a call runs eagerly instead (``backward_pending``).  Double backward
-  raises (``once_differentiable``).
+  known, such a call runs eagerly instead (``backward_pending``).  A backward asked
+  for gradients with a history (``create_graph=True``) runs the forward again eagerly
+  instead (``recompute``), and the key runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.utils import _pytree as pytree
 
-from . import gradgraph, lifecycle, replay
+from . import gradgraph, lifecycle, recompute, replay
 from .capture import Backend, Pool
 from .gradgraph import GradGraph, copy_all
 from .guards import Watch
@@ -95,7 +95,7 @@ class Trained(replay.Captured):
     __slots__ = ("watch", "stats", "spec", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
-                 "spare", "spare_due", "single")
+                 "spare", "spare_due", "single", "recompute", "unsupported")
 
     def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -136,6 +136,11 @@ class Trained(replay.Captured):
         # whether a backward finding the first one's gradients held may ask for the
         # spare (want_backward: captured at the next call); until it is tried once
         self.spare_due: Callable[[], bool] | None = None
+        # the call's function and how to rebuild its arguments from leaves, for
+        # gradients that are differentiated again (recompute.py); set by the capture
+        self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
+        # why every later call runs eagerly (recompute.DIFFERENTIATED), once it does
+        self.unsupported: tuple[EagerReason, str] | None = None
 
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
@@ -147,7 +152,7 @@ class Trained(replay.Captured):
         state, inputs_state = self.state, self.inputs_state
 
         def run(leaves: Any) -> Any:
-            if [t.requires_grad for t in state] != flags_list:
+            if [t.requires_grad for t in state] != flags_list or self.unsupported:
                 return self._hold()
             if self.want_backward:  # set by a backward that ran eagerly (replay_backward)
                 self._capture_backward()
@@ -193,7 +198,9 @@ class Trained(replay.Captured):
         """Why this call must run eagerly: a parameter's requires_grad changed (the
         graphs are dropped at the next call), or the previous call's backward may still
         need what the replay would overwrite and it cannot be spilled."""
-        if [t.requires_grad for t in self.state] != list(self.flags):
+        if self.unsupported is not None:
+            self.held_reason = self.unsupported
+        elif [t.requires_grad for t in self.state] != list(self.flags):
             self.watch.dirty = True
             self.held_reason = (EagerReason.BACKWARD_UNSUPPORTED,
                                 "a parameter's requires_grad changed: capturing again")
@@ -313,15 +320,17 @@ class _Replay(torch.autograd.Function):
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
         ctx.graph = graph
         ctx.call = call
+        ctx.leaves = leaves  # for gradients differentiated again (recompute.py)
         ctx.save_for_backward(token, *graph.saved_state)
         if graph.nondiff:
             ctx.mark_non_differentiable(*[outs[k] for k in graph.nondiff])
         return outs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, *grads: Any) -> Any:
         ctx.saved_tensors  # noqa: B018 - autograd's check: a saved parameter changed raises
+        if torch.is_grad_enabled():  # create_graph=True: gradients with a history
+            return (None, None, None, *recompute.gradients(ctx.graph, ctx.leaves, grads))
         return (None, None, None, *ctx.graph.replay_backward(ctx.call, grads))
 
 

@@ -10,6 +10,7 @@ substituted) leaf list.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,6 +78,11 @@ class Flat:
 
     def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return self.rebuild(list(self.leaves))
+
+    def rebuilder(self) -> Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]:
+        """:meth:`rebuild` for calls of this structure, without keeping these leaves."""
+        shape = Flat([], self.nargs, self.kw_names, self.spec, self.tensor_pos, self.objects)
+        return shape.rebuild
 
 
 # type -> whether pytree leaves it closed (tensors, values, and objects of types it does

@@ -151,6 +151,10 @@ class Watch:
             return False
         return not self._hidden or self._hidden_same()
 
+    def slots(self) -> list[tuple[dict[str, Any], str]]:
+        """Where each watched parameter and buffer is held: its module's dict, its name."""
+        return list(zip(self._holders, self._names))
+
     def hooks(self) -> str | None:
         """Why module hooks forbid graphs (called while ``hook_reason`` is set): read
         again each time, so that a hook removed gives the graphs back."""

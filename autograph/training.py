@@ -163,6 +163,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check_outputs(out, base, leaves, watch)
     trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
                       None if spill is None else list(spill.values()))
+    trained.recompute = (fn, flat.rebuilder())
     problem = _foreign(trained.static_diff, trained.targets, seen["start"])
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)

@@ -217,12 +217,16 @@ def test_dropout_draws_fresh_masks_and_gradients_follow_them():
     assert autograph.stats(g)["backward_replays"] == 3
 
 
-def test_double_backward_raises():
-    g = autograph.graphed(nn.Linear(3, 1), warmup=0)
-    x = torch.randn(2, 3, requires_grad=True)
-    (gx,) = torch.autograd.grad(g(x).tanh().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+def test_double_backward_equals_eager():
+    m = nn.Linear(3, 1)
+    g = autograph.graphed(copy.deepcopy(m), warmup=0)
+    got = []
+    for model in (m, g):
+        x = torch.ones(2, 3, requires_grad=True)
+        (gx,) = torch.autograd.grad(model(x).tanh().sum(), x, create_graph=True)
         gx.sum().backward()
+        got.append((gx.detach(), x.grad, model.weight.grad))
+    torch.testing.assert_close(got[1], got[0])
 
 
 def test_parameter_changed_between_forward_and_backward_raises_as_eager():
@@ -680,3 +684,46 @@ def test_activation_checkpointing_gradients_equal_eager(standin, p):
         assert s["replays"] == 0 and s["eager_reasons"].get("reads_rng_state") == 5, s
     else:
         assert s["replays"] >= 2, s
+
+
+def _pinn_step(f, x):
+    """A physics-informed loss: the network's derivative with respect to its input."""
+    x = x.detach().requires_grad_()
+    u = f(x)
+    (du,) = torch.autograd.grad(u.sum(), x, create_graph=True)
+    return (du.square().mean() + u.square().mean())
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_gradients_differentiated_again_equal_eager_and_the_key_runs_eagerly_after(
+        standin, norm):
+    """``create_graph=True`` through a graphed call: its forward runs again eagerly for
+    gradients with a history (a batch norm's statistics advance once), then the key
+    runs eagerly with reason ``backward_unsupported``."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(2, 16), nn.Tanh()] + ([nn.BatchNorm1d(16)] if norm else []) + \
+        [nn.Linear(16, 1)]
+    eager = nn.Sequential(*layers)
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model, warmup=1)
+    for _ in range(5):
+        x = torch.randn(8, 2)
+        for m, f in ((eager, eager), (model, g)):
+            m.zero_grad()
+            _pinn_step(f, x).backward()
+        for a, b in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+        for a, b in zip(eager.buffers(), model.buffers()):
+            torch.testing.assert_close(b, a)
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["eager_reasons"]["backward_unsupported"] == 3, s
+
+
+def test_gradients_of_a_call_drawing_random_numbers_differentiated_again_raise(standin):
+    model = nn.Sequential(nn.Linear(2, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+    g = autograph.graphed(model, warmup=1)
+    _pinn_step(g, torch.randn(8, 2)).backward()  # the warmup, eager
+    with pytest.raises(RuntimeError, match="draws random numbers"):  # the capture's call
+        _pinn_step(g, torch.randn(8, 2)).backward()
+    _pinn_step(g, torch.randn(8, 2)).backward()  # eagerly from then on
+    assert autograph.stats(g)["eager_reasons"]["backward_unsupported"] == 1

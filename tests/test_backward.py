@@ -694,20 +694,17 @@ def _pinn_step(f, x):
     return (du.square().mean() + u.square().mean())
 
 
-@pytest.mark.parametrize("norm", [False, True])
-def test_gradients_differentiated_again_equal_eager_and_the_key_runs_eagerly_after(
-        standin, norm):
-    """``create_graph=True`` through a graphed call: its forward runs again eagerly for
-    gradients with a history (a batch norm's statistics advance once), then the key
-    runs eagerly with reason ``backward_unsupported``."""
+def check_double_backward(norm: bool, device: str = "cpu", batch: int = 8) -> None:
+    """Five physics-informed steps, graphed against eager: gradients and buffers equal;
+    the capture's call runs the forward again, and the key runs eagerly after."""
     torch.manual_seed(0)
     layers = [nn.Linear(2, 16), nn.Tanh()] + ([nn.BatchNorm1d(16)] if norm else []) + \
         [nn.Linear(16, 1)]
-    eager = nn.Sequential(*layers)
+    eager = nn.Sequential(*layers).to(device)
     model = copy.deepcopy(eager)
     g = autograph.graphed(model, warmup=1)
     for _ in range(5):
-        x = torch.randn(8, 2)
+        x = torch.randn(batch, 2, device=device)
         for m, f in ((eager, eager), (model, g)):
             m.zero_grad()
             _pinn_step(f, x).backward()
@@ -717,6 +714,15 @@ def test_gradients_differentiated_again_equal_eager_and_the_key_runs_eagerly_aft
             torch.testing.assert_close(b, a)
     s = autograph.stats(g)
     assert s["captures"] == 1 and s["eager_reasons"]["backward_unsupported"] == 3, s
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_gradients_differentiated_again_equal_eager_and_the_key_runs_eagerly_after(
+        standin, norm):
+    """``create_graph=True`` through a graphed call: its forward runs again eagerly for
+    gradients with a history (a batch norm's statistics advance once), then the key
+    runs eagerly with reason ``backward_unsupported``."""
+    check_double_backward(norm)
 
 
 def test_gradients_of_a_call_drawing_random_numbers_differentiated_again_raise(standin):

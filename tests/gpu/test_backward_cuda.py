@@ -24,6 +24,8 @@ from torch import nn
 
 import autograph
 
+from ..test_backward import check_double_backward
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 EXACT = {"rtol": 0, "atol": 0}
@@ -236,3 +238,8 @@ def test_grad_mode_inference_loop_keeping_outputs_replays():
     s = autograph.stats(g)
     assert s["replays"] == 8 and s["eager_reasons"] == {"warmup": 1}, s
     assert s["backward_captures"] == 0
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_double_backward_of_a_physics_informed_loss_equals_eager(norm):
+    check_double_backward(norm, "cuda", batch=32)

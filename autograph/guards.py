@@ -31,7 +31,6 @@ dictionaries.  ``reset()`` drops a callable's graphs by hand.
 
 from __future__ import annotations
 
-import functools
 import operator
 import threading
 import weakref
@@ -41,11 +40,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import notify
 from .coderefs import code_refs, same
 from .steps import StepGuard
 
 _Module = nn.Module
-_MISSING = object()
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 _getitem = operator.getitem
 # One C++ pass comparing tensors' data pointers with expected ones (CUDA builds; the
@@ -53,12 +52,6 @@ _getitem = operator.getitem
 _ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
     torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
-# id(module) -> the watches whose trees contain it
-_watched: dict[int, weakref.WeakSet[Watch]] = {}
-# re-entrant: a garbage collection inside a locked block can run a module's weak
-# reference callback that closes its watch (region.py), which takes the lock again
-_watched_lock = threading.RLock()
-_installed = False
 _local = threading.local()
 
 
@@ -76,7 +69,7 @@ class Watch:
         # by a tensor of its shape and dtype (see ``moved_only``)
         self.altered = False
         self.assigned: str | None = None
-        # why module hooks forbid graphs now (or _RECHECK: a hook was registered since)
+        # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         self._own: set[int] = set()  # modules whose own hooks run outside the graphs
         self._holders: list[Any] = []
@@ -95,7 +88,7 @@ class Watch:
     # -- building -----------------------------------------------------------------
     def refresh(self) -> None:
         """Enumerate the watched state anew (after creation or an invalidation)."""
-        _install()
+        notify.install()
         self._unregister()
         refs = code_refs(self._code) if self._code is not None else []
         roots = list(self._roots()) + [v for _, v in refs if isinstance(v, _Module)]
@@ -237,25 +230,25 @@ class Watch:
     # -- assignment hook plumbing ----------------------------------------------------
     def _register(self, ids: list[int]) -> None:
         """Watch these module ids (ids, not modules: the watch must not keep them alive)."""
-        with _watched_lock:
+        with notify.watched_lock:
             self._ids = ids
             for i in ids:
                 # a collection in between may close another watch (same thread, hence
                 # the RLock) and drop the set it emptied: ours must be the set kept
                 while True:
-                    ws = _watched.setdefault(i, weakref.WeakSet())
+                    ws = notify.watched.setdefault(i, weakref.WeakSet())
                     ws.add(self)
-                    if _watched.get(i) is ws:
+                    if notify.watched.get(i) is ws:
                         break
 
     def _unregister(self) -> None:
-        with _watched_lock:
+        with notify.watched_lock:
             for i in self._ids:
-                ws = _watched.get(i)
+                ws = notify.watched.get(i)
                 if ws is not None:
                     ws.discard(self)
                     if not ws:
-                        del _watched[i]
+                        del notify.watched[i]
             self._ids = []
 
     def close(self) -> None:
@@ -319,122 +312,3 @@ def _hooks_reason(modules: list[nn.Module], skip: set[int]) -> str | None:
         if m._forward_hooks or m._forward_pre_hooks:
             return f"{type(m).__name__} has forward hooks"
     return None
-
-
-# -- the hooks on nn.Module -----------------------------------------------------------
-def _changes(module: nn.Module, name: str, value: Any) -> bool:
-    d = module.__dict__
-    old = d.get(name, _MISSING)
-    if old is _MISSING:
-        for holder in ("_parameters", "_buffers", "_modules"):
-            inner = d.get(holder)
-            if inner is not None and name in inner:
-                old = inner[name]
-                break
-    return not same(value, old)
-
-
-def _swap(module: nn.Module, name: str, value: Any) -> bool:
-    """Whether assigning ``value`` replaces a parameter or buffer by a tensor of the same
-    shape and dtype (as ``load_state_dict(assign=True)`` does)."""
-    if not isinstance(value, torch.Tensor):
-        return False
-    d = module.__dict__
-    for holder in ("_parameters", "_buffers"):
-        old = d.get(holder, {}).get(name)
-        if old is not None:
-            return bool(old.shape == value.shape and old.dtype == value.dtype)
-    return False
-
-
-_RECHECK = "hooks registered since the last check"
-
-
-def _hooks_added(module: nn.Module | None, backward: bool = False) -> None:
-    """A hook was registered on ``module`` (None: a global one, every watch): forward
-    hooks are read again at the next call; a backward hook drops the graphs."""
-    with _watched_lock:
-        if module is None:
-            found = [w for ws in _watched.values() for w in ws]
-        else:
-            found = list(_watched.get(id(module), ()))
-    for watch in found:
-        if backward:
-            watch.dirty = watch.altered = True
-        else:
-            watch.hook_reason = _RECHECK
-
-
-def _wrap_registration(owner: Any, name: str, backward: bool, on_module: bool) -> None:
-    """Make ``owner.name`` (a hook registration) report through :func:`_hooks_added`."""
-    original = getattr(owner, name, None)
-    if original is None:
-        return
-
-    @functools.wraps(original)
-    def register(*args: Any, **kwargs: Any) -> Any:
-        handle = original(*args, **kwargs)
-        module = args[0] if on_module else None
-        if module is None or id(module) in _watched:
-            _hooks_added(module, backward)
-        return handle
-
-    setattr(owner, name, register)
-
-
-def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
-    ws = _watched.get(id(module))
-    if ws:
-        swap = value is not _MISSING and _swap(module, name, value)
-        for watch in list(ws):
-            watch._on_assign(module, name, swap)
-
-
-def _install() -> None:
-    """Install the assignment hooks once, the first time a module is watched."""
-    global _installed
-    if _installed:
-        return
-    with _watched_lock:
-        if _installed:
-            return
-        original_set = _Module.__setattr__
-        original_del = _Module.__delattr__
-
-        def __setattr__(self: nn.Module, name: str, value: Any) -> None:
-            if id(self) in _watched and _changes(self, name, value):
-                _notify(self, name, value)
-            original_set(self, name, value)
-
-        def __delattr__(self: nn.Module, name: str) -> None:
-            if id(self) in _watched:
-                _notify(self, name)
-            original_del(self, name)
-
-        __setattr__.__wrapped__ = original_set  # type: ignore[attr-defined]
-        __delattr__.__wrapped__ = original_del  # type: ignore[attr-defined]
-        _Module.__setattr__ = __setattr__  # type: ignore[method-assign]
-        _Module.__delattr__ = __delattr__  # type: ignore[method-assign]
-
-        from torch.nn.modules import module as mm
-
-        def registered(module: nn.Module, name: str, value: Any) -> None:
-            # ``self.n += 1`` on a buffer registers the very tensor again: no change
-            if id(module) in _watched and _changes(module, name, value):
-                _notify(module, name, value)
-
-        for hook in ("parameter", "buffer", "module"):
-            register = getattr(mm, f"register_module_{hook}_registration_hook", None)
-            if register is not None:
-                register(registered)
-        for name in ("register_forward_hook", "register_forward_pre_hook"):
-            _wrap_registration(_Module, name, backward=False, on_module=True)
-        for name in ("register_full_backward_hook", "register_full_backward_pre_hook",
-                     "register_backward_hook"):
-            _wrap_registration(_Module, name, backward=True, on_module=True)
-        for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
-            _wrap_registration(mm, name, backward=False, on_module=False)
-        for name in ("register_module_full_backward_hook",
-                     "register_module_full_backward_pre_hook", "register_module_backward_hook"):
-            _wrap_registration(mm, name, backward=True, on_module=False)
-        _installed = True

@@ -249,7 +249,7 @@ def test_a_collection_while_watches_are_registered_does_not_deadlock(monkeypatch
     on the same thread (seen as a hang of the GPU fuzz test)."""
     import threading
 
-    from autograph import guards
+    from autograph import guards, notify
 
     model = nn.Linear(4, 4)
     with torch.no_grad(), autograph.capture_region():
@@ -277,7 +277,7 @@ def test_a_collection_while_watches_are_registered_does_not_deadlock(monkeypatch
     t.start()
     t.join(20)
     assert done.is_set(), "deadlocked: the registry lock was taken again by a callback"
-    assert id(other) in guards._watched and any(guards._watched[id(other)])
+    assert id(other) in notify.watched and any(notify.watched[id(other)])
 
 
 def test_hooks_of_modules_a_function_or_a_plain_object_calls_run_every_call(standin):

@@ -1,0 +1,151 @@
+"""The hooks on ``nn.Module`` that tell watches (``guards.Watch``) what changed.
+
+Installed once, the first time a module is watched: a wrapper of
+``nn.Module.__setattr__``/``__delattr__`` and torch's global registration hooks report
+attribute assignments (a float scale, a flag, a swapped submodule, a parameter
+replaced); wrappers of the hook registration methods report hooks registered later
+(forward hooks: the watch reads them again at the next call; backward hooks: the
+graphs are dropped).  ``watched`` maps the id of every watched module to its watches.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .coderefs import same
+
+if TYPE_CHECKING:
+    from .guards import Watch
+
+_Module = nn.Module
+_MISSING = object()
+
+# id(module) -> the watches whose trees contain it
+watched: dict[int, weakref.WeakSet[Watch]] = {}
+# re-entrant: a garbage collection inside a locked block can run a module's weak
+# reference callback that closes its watch (region.py), which takes the lock again
+watched_lock = threading.RLock()
+_installed = False
+
+RECHECK = "hooks registered since the last check"
+
+
+def _changes(module: nn.Module, name: str, value: Any) -> bool:
+    d = module.__dict__
+    old = d.get(name, _MISSING)
+    if old is _MISSING:
+        for holder in ("_parameters", "_buffers", "_modules"):
+            inner = d.get(holder)
+            if inner is not None and name in inner:
+                old = inner[name]
+                break
+    return not same(value, old)
+
+
+def _swap(module: nn.Module, name: str, value: Any) -> bool:
+    """Whether assigning ``value`` replaces a parameter or buffer by a tensor of the same
+    shape and dtype (as ``load_state_dict(assign=True)`` does)."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    d = module.__dict__
+    for holder in ("_parameters", "_buffers"):
+        old = d.get(holder, {}).get(name)
+        if old is not None:
+            return bool(old.shape == value.shape and old.dtype == value.dtype)
+    return False
+
+
+def _hooks_added(module: nn.Module | None, backward: bool = False) -> None:
+    """A hook was registered on ``module`` (None: a global one, every watch): forward
+    hooks are read again at the next call; a backward hook drops the graphs."""
+    with watched_lock:
+        if module is None:
+            found = [w for ws in watched.values() for w in ws]
+        else:
+            found = list(watched.get(id(module), ()))
+    for watch in found:
+        if backward:
+            watch.dirty = watch.altered = True
+        else:
+            watch.hook_reason = RECHECK
+
+
+def _wrap_registration(owner: Any, name: str, backward: bool, on_module: bool) -> None:
+    """Make ``owner.name`` (a hook registration) report through :func:`_hooks_added`."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def register(*args: Any, **kwargs: Any) -> Any:
+        handle = original(*args, **kwargs)
+        module = args[0] if on_module else None
+        if module is None or id(module) in watched:
+            _hooks_added(module, backward)
+        return handle
+
+    setattr(owner, name, register)
+
+
+def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
+    ws = watched.get(id(module))
+    if ws:
+        swap = value is not _MISSING and _swap(module, name, value)
+        for watch in list(ws):
+            watch._on_assign(module, name, swap)
+
+
+def install() -> None:
+    """Install the assignment hooks once, the first time a module is watched."""
+    global _installed
+    if _installed:
+        return
+    with watched_lock:
+        if _installed:
+            return
+        original_set = _Module.__setattr__
+        original_del = _Module.__delattr__
+
+        def __setattr__(self: nn.Module, name: str, value: Any) -> None:
+            if id(self) in watched and _changes(self, name, value):
+                _notify(self, name, value)
+            original_set(self, name, value)
+
+        def __delattr__(self: nn.Module, name: str) -> None:
+            if id(self) in watched:
+                _notify(self, name)
+            original_del(self, name)
+
+        __setattr__.__wrapped__ = original_set  # type: ignore[attr-defined]
+        __delattr__.__wrapped__ = original_del  # type: ignore[attr-defined]
+        _Module.__setattr__ = __setattr__  # type: ignore[method-assign]
+        _Module.__delattr__ = __delattr__  # type: ignore[method-assign]
+
+        from torch.nn.modules import module as mm
+
+        def registered(module: nn.Module, name: str, value: Any) -> None:
+            # ``self.n += 1`` on a buffer registers the very tensor again: no change
+            if id(module) in watched and _changes(module, name, value):
+                _notify(module, name, value)
+
+        for hook in ("parameter", "buffer", "module"):
+            register = getattr(mm, f"register_module_{hook}_registration_hook", None)
+            if register is not None:
+                register(registered)
+        for name in ("register_forward_hook", "register_forward_pre_hook"):
+            _wrap_registration(_Module, name, backward=False, on_module=True)
+        for name in ("register_full_backward_hook", "register_full_backward_pre_hook",
+                     "register_backward_hook"):
+            _wrap_registration(_Module, name, backward=True, on_module=True)
+        for name in ("register_module_forward_hook", "register_module_forward_pre_hook"):
+            _wrap_registration(mm, name, backward=False, on_module=False)
+        for name in ("register_module_full_backward_hook",
+                     "register_module_full_backward_pre_hook", "register_module_backward_hook"):
+            _wrap_registration(mm, name, backward=True, on_module=False)
+        _installed = True

@@ -390,3 +390,22 @@ def test_a_backward_hook_registered_after_a_training_capture_runs(standin):
     assert len(seen) == 2
     for a, b in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_graphs_come_back_only_once_every_forward_hook_is_removed(standin):
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    g = autograph.graphed(m)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(4):
+            g(x)
+        first = m[0].register_forward_hook(lambda mod, i, o: o + 1)
+        second = m[2].register_forward_hook(lambda mod, i, o: o * 2)
+        torch.testing.assert_close(g(x), m(x))
+        first.remove()  # the hook the reason named: the other one still forbids graphs
+        torch.testing.assert_close(g(x), m(x))
+        second.remove()
+        replays = autograph.stats(g)["replays"]
+        torch.testing.assert_close(g(x), m(x))
+    s = autograph.stats(g)
+    assert s["eager_reasons"]["hooks"] == 2 and s["replays"] == replays + 1, s

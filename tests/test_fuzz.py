@@ -21,7 +21,7 @@ def check(counts):
 
 @pytest.mark.parametrize("seed", range(24))
 def test_graphed_equals_eager_on_random_models_and_call_patterns(seed):
-    check(fuzz.run(seed, "cpu", calls=100))
+    check(fuzz.run(seed, "cpu", calls=100, patterns=fuzz.ALL_PATTERNS))
 
 
 @pytest.mark.parametrize("seed", range(8))

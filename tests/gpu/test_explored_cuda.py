@@ -26,8 +26,6 @@ dev = "cuda"
 
 try:  # the tests that use them skip without transformers (pytest.importorskip)
     from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
@@ -61,11 +59,7 @@ def need(g, min_replays=1):
     assert s["replays"] >= min_replays, s
 
 
-def st(g):
-    return counts(g)
-
-
-def test_gpt2_generate_dynamic_cache():
+def test_gpt2_generate_dynamic_cache_runs_eagerly_and_right():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -76,7 +70,7 @@ def test_gpt2_generate_dynamic_cache():
         a = m.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         b = g.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert torch.equal(a, b)
-    counts(g)
+    assert counts(g)["eager_reasons"].get("assigns_attribute"), counts(g)
 
 
 def test_gpt2_generate_sampling_same_seed():
@@ -198,28 +192,7 @@ def test_timm_train_step_with_bn():
     counts(g)
 
 
-def test_torchvision_maskrcnn_eval_falls_back():
-    torchvision = pytest.importorskip("torchvision")
-
-    torch.manual_seed(0)
-    m = (
-        torchvision.models.detection.maskrcnn_resnet50_fpn(
-            weights=None, weights_backbone=None, num_classes=3
-        )
-        .to(dev)
-        .eval()
-    )
-    g = autograph.graphed(m)
-    with torch.no_grad():
-        for _i in range(3):
-            x = [torch.rand(3, 128, 128, device=dev)]
-            a = m(x)
-            b = g(x)
-            assert close(a, b, 1e-3)
-    counts(g)
-
-
-def test_gcn_torch_geometric():
+def test_gcn_torch_geometric_falls_back_and_is_right():
     GCNConv = pytest.importorskip("torch_geometric.nn").GCNConv  # noqa: N806
 
     class Net(nn.Module):
@@ -241,7 +214,7 @@ def test_gcn_torch_geometric():
             assert close(m(x, ei), g(x, ei), 1e-4)
         ei2 = torch.randint(0, 50, (2, 200), device=dev)
         assert close(m(x, ei2), g(x, ei2), 1e-4)
-    counts(g)
+    assert counts(g)["eager_reasons"].get("capture_failed"), counts(g)  # a host sync
 
 
 def test_kwargs_none_and_dict_output():
@@ -364,7 +337,7 @@ def test_t5_generate():
         a = m.generate(ids, max_new_tokens=10, do_sample=False, **kw)
         b = g.generate(ids, max_new_tokens=10, do_sample=False, **kw)
         assert torch.equal(a, b), kw
-    counts(g)
+    need(g)
 
 
 def test_shape_dependent_raise_propagates_once():
@@ -496,7 +469,7 @@ def test_state_dict_deepcopy_pickle_of_wrapper():
         g.load_state_dict(sd)
         assert close(g(x), m(x))
         pickle.dumps(m)
-    counts(g)
+    need(g)
 
 
 def test_thread_pool_same_shape():
@@ -534,7 +507,7 @@ def test_flags_benchmark_and_matmul_precision_toggle():
             assert close(g(x), m(x), 1e-2)
     torch.backends.cudnn.benchmark = False
     torch.set_float32_matmul_precision("highest")
-    counts(g)
+    need(g)
 
 
 def test_list_of_tensors_argument_varying_length():
@@ -565,34 +538,28 @@ def test_inference_mode_then_grad_mode():
         b.backward()
     for p1, p2 in zip(m.parameters(), m2.parameters()):
         assert close(p1.grad, p2.grad, 1e-5)
-    counts(g)
+    need(g)
 
 
 # transformers generate() ------------------------------------------------------------
 
 
-def llama():
+def causal_lm(model_cls, config_cls, **extra):
+    """A two-layer decoder of transformers' ``model_cls`` (hidden 128), from seed 0."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    return (
-        LlamaForCausalLM(
-            LlamaConfig(
-                num_hidden_layers=2,
-                hidden_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                intermediate_size=256,
-                vocab_size=500,
-                max_position_embeddings=256,
-            )
-        )
-        .to(dev)
-        .eval()
-    )
+    config = config_cls(num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=256, vocab_size=500, **extra)
+    return model_cls(config).to(dev).eval()
 
 
-def gen_pair(make, ids, **kw):
-    pytest.importorskip("transformers")
+def llama():
+    return causal_lm(LlamaForCausalLM, LlamaConfig, max_position_embeddings=256)
+
+
+def gen_pair(make, ids, min_replays, **kw):
+    """Two generates, eager and graphed, from the same seeds: equal sequences (and
+    scores); at least ``min_replays`` replays (about twice that on the H200 run)."""
     m = make()
     g = autograph.graphed(m)
     for rep in range(2):
@@ -606,42 +573,24 @@ def gen_pair(make, ids, **kw):
                 assert close(tuple(a.scores), tuple(b.scores), 1e-3), "scores differ"
         else:
             assert torch.equal(a, b), (a, b)
-    return st(g)
+    if min_replays:
+        need(g, min_replays)
+    return counts(g)
 
 
 STATIC = dict(cache_implementation="static", disable_compile=True, pad_token_id=0)
 
 
-def test_llama_beam_search_static():
-    ids = torch.randint(3, 500, (2, 6), device=dev)
-    return gen_pair(llama, ids, max_new_tokens=10, num_beams=3, do_sample=False, **STATIC)
-
-
 def test_llama_sampling_top_p_repetition_penalty_static():
     ids = torch.randint(3, 500, (1, 6), device=dev)
-    return gen_pair(
-        llama,
-        ids,
-        max_new_tokens=12,
-        do_sample=True,
-        top_p=0.9,
-        temperature=0.7,
-        repetition_penalty=1.3,
-        **STATIC,
-    )
+    gen_pair(llama, ids, 8, max_new_tokens=12, do_sample=True, top_p=0.9, temperature=0.7,
+             repetition_penalty=1.3, **STATIC)
 
 
 def test_llama_scores_dict_output_static():
     ids = torch.randint(3, 500, (1, 6), device=dev)
-    return gen_pair(
-        llama,
-        ids,
-        max_new_tokens=8,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        **STATIC,
-    )
+    gen_pair(llama, ids, 4, max_new_tokens=8, do_sample=False, output_scores=True,
+             return_dict_in_generate=True, **STATIC)
 
 
 def test_llama_left_padded_batch_static_then_other_batch():
@@ -653,88 +602,23 @@ def test_llama_left_padded_batch_static_then_other_batch():
     m = llama()
     g = autograph.graphed(m)
     for b in (3, 2, 3):
-        a = m.generate(
-            ids[:b], attention_mask=mask[:b], max_new_tokens=9, do_sample=False, **STATIC
-        )
-        c = g.generate(
-            ids[:b], attention_mask=mask[:b], max_new_tokens=9, do_sample=False, **STATIC
-        )
-        assert torch.equal(a, c), b
+        kw = dict(attention_mask=mask[:b], max_new_tokens=9, do_sample=False, **STATIC)
+        assert torch.equal(m.generate(ids[:b], **kw), g.generate(ids[:b], **kw)), b
     need(g, 8)
-    counts(g)
 
 
 def test_mistral_sliding_window_static():
     def make():
-        torch.manual_seed(0)
-        return (
-            MistralForCausalLM(
-                MistralConfig(
-                    num_hidden_layers=2,
-                    hidden_size=128,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    intermediate_size=256,
-                    vocab_size=500,
-                    sliding_window=8,
-                    max_position_embeddings=256,
-                )
-            )
-            .to(dev)
-            .eval()
-        )
+        return causal_lm(MistralForCausalLM, MistralConfig, sliding_window=8,
+                         max_position_embeddings=256)
 
     ids = torch.randint(3, 500, (1, 5), device=dev)
-    return gen_pair(make, ids, max_new_tokens=16, do_sample=False, **STATIC)
+    gen_pair(make, ids, 9, max_new_tokens=16, do_sample=False, **STATIC)
 
 
-def test_qwen2_dynamic_cache_default():
-    def make():
-        torch.manual_seed(0)
-        return (
-            Qwen2ForCausalLM(
-                Qwen2Config(
-                    num_hidden_layers=2,
-                    hidden_size=128,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    intermediate_size=256,
-                    vocab_size=500,
-                )
-            )
-            .to(dev)
-            .eval()
-        )
-
+def test_qwen2_dynamic_cache_default_runs_eagerly_and_right():
+    """A dynamic cache grows each step (the call assigns it): eager, with that reason."""
     ids = torch.randint(3, 500, (2, 5), device=dev)
-    return gen_pair(make, ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
-
-
-def test_gpt2_forward_with_past_key_values_loop():
-    pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    m = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300)).to(dev).eval()
-    g = autograph.graphed(m)
-    ids = torch.randint(0, 300, (1, 4), device=dev)
-    with torch.no_grad():
-        a = m(ids, use_cache=True)
-        b = g(ids, use_cache=True)
-        pa, pb = a.past_key_values, b.past_key_values
-        nxt = a.logits[:, -1:].argmax(-1)
-        for i in range(6):
-            a = m(nxt, past_key_values=pa, use_cache=True)
-            b = g(nxt, past_key_values=pb, use_cache=True)
-            assert close(a.logits, b.logits, 1e-4), i
-            pa, pb = a.past_key_values, b.past_key_values
-            nxt = a.logits[:, -1:].argmax(-1)
-    counts(g)
-
-
-def test_llama_in_capture_region_generate():
-    m = llama()
-    ids = torch.randint(3, 500, (1, 6), device=dev)
-    a = m.generate(ids, max_new_tokens=10, do_sample=False, **STATIC)
-    with autograph.capture_region():
-        b = m.generate(ids, max_new_tokens=10, do_sample=False, **STATIC)
-        c = m.generate(ids, max_new_tokens=10, do_sample=False, **STATIC)
-    assert torch.equal(a, b) and torch.equal(a, c)
+    s = gen_pair(lambda: causal_lm(Qwen2ForCausalLM, Qwen2Config), ids, 0, max_new_tokens=8,
+                 do_sample=False, pad_token_id=0)
+    assert s["eager_reasons"].get("assigns_attribute"), s

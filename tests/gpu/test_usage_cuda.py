@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 import autograph
 
+from ..test_backward import check_checkpointing
 from ..test_usage import counts, one, replayed  # the CPU file's counting helpers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -648,35 +649,7 @@ def test_a_forward_hook_registered_after_capture_runs_and_removed_gives_graphs_b
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_activation_checkpointing_with_and_without_dropout_gradients_equal_eager(p):
-    from torch.utils.checkpoint import checkpoint
-
-    class M(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(p),
-                                   nn.Linear(64, 32))
-            self.b = nn.Linear(32, 4)
-
-        def forward(self, x):
-            return self.b(checkpoint(self.a, x, use_reentrant=False))
-
-    torch.manual_seed(0)
-    m = M().cuda()
-    ref = copy.deepcopy(m)
-    g = autograph.graphed(m)
-    for i in range(CALLS):
-        x = randn(8, 32)
-        torch.manual_seed(i)
-        ref(x).square().sum().backward()
-        torch.manual_seed(i)
-        g(x).square().sum().backward()
-        for a, b in zip(m.parameters(), ref.parameters()):
-            torch.testing.assert_close(a.grad, b.grad)
-    s = counts(g)
-    if p:
-        assert s["eager_reasons"].get("reads_rng_state") == CALLS - 1, s
-    else:
-        assert s["replays"] > 0, s
+    check_checkpointing(p, CUDA, CALLS)
 
 
 def test_autocast_alternating_with_eager_calls_in_the_block_replays():

@@ -72,6 +72,7 @@ class Watch:
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         self._own: set[int] = set()  # modules whose own hooks run outside the graphs
+        self._hooked: Any = None  # what hook_reason names: a module, or _GLOBAL
         self._holders: list[Any] = []
         self._names: list[Any] = []
         self._ptrs: list[int] = []
@@ -110,7 +111,7 @@ class Watch:
         # a method's own module runs no hooks of its own (its forward is called, not
         # the module); every other module does, the ones the code names included
         self._own = set() if self._hooks_of_roots else {id(m) for m in self._roots()}
-        self.hook_reason = _hooks_reason(list(modules.values()), self._own)
+        self.hook_reason, self._hooked = _hooks_reason(list(modules.values()), self._own)
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None
@@ -149,10 +150,14 @@ class Watch:
         return list(zip(self._holders, self._names))
 
     def hooks(self) -> str | None:
-        """Why module hooks forbid graphs (called while ``hook_reason`` is set): read
-        again each time, so that a hook removed gives the graphs back."""
+        """Why module hooks forbid graphs (called while ``hook_reason`` is set): while
+        what it names still has hooks, the same; else (that hook was removed, or a hook
+        was registered since) all modules are read again, so that a removed hook gives
+        the graphs back."""
+        if self.hook_reason is not notify.RECHECK and _still_hooked(self._hooked):
+            return self.hook_reason
         modules = [m for m in (ref() for ref in self._modules) if m is not None]
-        self.hook_reason = _hooks_reason(modules, self._own)
+        self.hook_reason, self._hooked = _hooks_reason(modules, self._own)
         return self.hook_reason
 
     def _hidden_same(self) -> bool:
@@ -298,17 +303,33 @@ class running:
         _local.running.pop()
 
 
-def _hooks_reason(modules: list[nn.Module], skip: set[int]) -> str | None:
-    """Why module hooks forbid capture: a hook's Python side effects would not replay
-    (the hooks of the modules in ``skip`` run outside the graphs)."""
-    from torch.nn.modules import module as mm
+_GLOBAL = "global"
 
-    for name in ("_global_forward_hooks", "_global_forward_pre_hooks"):
-        if getattr(mm, name, None):
-            return "global module forward hooks are registered"
+
+def _hooks_reason(modules: list[nn.Module], skip: set[int]) -> tuple[str | None, Any]:
+    """Why module hooks forbid capture (a hook's Python side effects would not replay;
+    the hooks of the modules in ``skip`` run outside the graphs), and what has them: a
+    weak reference to the module, or _GLOBAL."""
+    if _global_hooks():
+        return "global module forward hooks are registered", _GLOBAL
     for m in modules:
         if id(m) in skip:
             continue
         if m._forward_hooks or m._forward_pre_hooks:
-            return f"{type(m).__name__} has forward hooks"
-    return None
+            return f"{type(m).__name__} has forward hooks", weakref.ref(m)
+    return None, None
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as mm
+
+    return bool(getattr(mm, "_global_forward_hooks", None)
+                or getattr(mm, "_global_forward_pre_hooks", None))
+
+
+def _still_hooked(hooked: Any) -> bool:
+    """Whether what a hook reason named (see _hooks_reason) still has forward hooks."""
+    if hooked is _GLOBAL:
+        return _global_hooks()
+    m = hooked() if hooked is not None else None
+    return m is not None and bool(m._forward_hooks or m._forward_pre_hooks)

@@ -116,8 +116,7 @@ class CudaBackend:
             with self._lock:
                 pool = self._pools.get(index)
                 if pool is None:
-                    gate = self._gates.setdefault(index, threading.Lock())
-                    pool = self._pools[index] = _new_pool(index, side, gate)
+                    pool = self._pools[index] = _new_pool(index, side, self._gate(index))
         return pool
 
     def private_pool(self, device: torch.device) -> Pool:
@@ -125,8 +124,15 @@ class CudaBackend:
         index = _index(device)
         side = self._stream(index)
         with self._lock:
-            gate = self._gates.setdefault(index, threading.Lock())
+            gate = self._gate(index)
         return _new_pool(index, side, gate)
+
+    def _gate(self, index: int) -> threading.Lock:
+        """The replay lock of device ``index`` (call under ``self._lock``)."""
+        gate = self._gates.get(index)
+        if gate is None:
+            gate = self._gates[index] = threading.Lock()
+        return gate
 
     @contextlib.contextmanager
     def warmup(self, device: torch.device) -> Iterator[None]:
@@ -195,9 +201,8 @@ class CudaBackend:
         side = self._stream(index)
         with self._lock:
             self._pools.pop(index, None)
-            gate = self._gates.setdefault(index, threading.Lock())
             with contextlib.suppress(Exception):
-                self._pools[index] = _new_pool(index, side, gate, rng_free=False)
+                self._pools[index] = _new_pool(index, side, self._gate(index), rng_free=False)
         with contextlib.suppress(Exception):
             torch.cuda.set_rng_state(rng, index)
 

@@ -82,6 +82,8 @@ class _Recorder(TorchDispatchMode):
             for value in written_args(func, args, kwargs):
                 self._note(value)
         if self.known is not None:
+            if func in _LIFTS:  # torch.tensor(data): a tensor the call made from Python
+                self.made.add(_storage_key(args[0]))
             self._reads(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.known is not None:
@@ -110,6 +112,12 @@ class _Recorder(TorchDispatchMode):
                 self._note(v)
 
 
+# ``torch.tensor(...)`` builds its tensor outside the dispatcher and then lifts it: the
+# lifted tensor is the call's own (its values come from Python, keyed or guarded), not a
+# hidden read of state from outside the call
+_LIFTS = frozenset(op.default for op in (getattr(torch.ops.aten, name, None)
+                                         for name in ("lift_fresh", "lift_fresh_copy"))
+                   if op is not None)
 _MISSING = object()
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 # arguments that switch a seeded operator's randomness off: a dropout probability of 0

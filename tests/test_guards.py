@@ -409,3 +409,18 @@ def test_graphs_come_back_only_once_every_forward_hook_is_removed(standin):
         torch.testing.assert_close(g(x), m(x))
     s = autograph.stats(g)
     assert s["eager_reasons"]["hooks"] == 2 and s["replays"] == replays + 1, s
+
+
+def test_a_constant_made_with_torch_tensor_is_no_hidden_read(standin):
+    """``torch.tensor(0.5)`` in the forward is the call's own tensor (made from Python
+    values), not state read from outside: the graphs replay and stay valid."""
+    @autograph.graphed(warmup=1)
+    def f(x, step):
+        return x * torch.tensor(0.5) + torch.tensor(step)
+
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.randn(3)
+            torch.testing.assert_close(f(x, i % 2), x * 0.5 + i % 2)
+    s = autograph.stats(f)
+    assert s["replays"] >= 4 and s["invalidations"] == 0

@@ -43,7 +43,16 @@ from .dispatch import Engine
 from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
-from .padding import Batch, graphable, out_dim, padded_call, rows_of, slice_back
+from .padding import (
+    Batch,
+    copy_back,
+    graphable,
+    out_dim,
+    padded_call,
+    rows_of,
+    shares_memory,
+    slice_back,
+)
 from .vocab import EagerReason, Uncapturable, logger
 
 
@@ -122,6 +131,8 @@ class Bucketer:
                                    f"largest bucket {self.sizes[-1]}")
             return self.engine.eager(args, kwargs)
         size = self.sizes[i]
+        if shares_memory(args, kwargs, batch):  # padding would copy one of the two apart
+            return self.engine.dispatch(args, kwargs)
         if self.ranks is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: rank %d step %d: batch %d, largest of the ranks %d, bucket %d",
                          self.stats.name, self.ranks.rank(), self.ranks.step + 1, real,
@@ -144,6 +155,7 @@ class Bucketer:
             # is on (autograd may keep the padded inputs for a backward): new tensors
             padded = padded_call(args, kwargs, batch, size, self._fills(batch))
             out = slice_back(self.engine.dispatch(*padded), size, real, out_dim(batch))
+            copy_back(padded, batch, self._written(batch, learned), real)
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
         return out
 
@@ -165,8 +177,7 @@ class Bucketer:
         replays = self.stats.replays
         with slot.pinned:  # captured at their own address: no second copy at replay
             out = self.engine.dispatch(tuple(new_args), new_kwargs)
-        canonical = self.args.canonical
-        written = [i for i, (k, _, _) in enumerate(batch) if canonical(k) in learned.written]
+        written = self._written(batch, learned)
         if written:
             padslots.hand_back(slot, tensors, written)
         if self.stats.replays != replays and self.ranks is None:  # the next call: its route
@@ -175,6 +186,11 @@ class Bucketer:
         if exact:  # outputs viewing a buffer: the same views of the caller's tensors
             return padslots.rebased(out, slot, tensors)
         return padslots.unshared(slice_back(out, size, real, slot.out_dim), slot.ptrs)
+
+    def _written(self, batch: Batch, learned: Learned) -> list[int]:
+        """Indexes of the batch arguments the function writes in place."""
+        canonical = self.args.canonical
+        return [i for i, (k, _, _) in enumerate(batch) if canonical(k) in learned.written]
 
     def _fills(self, batch: Batch) -> list[Any]:
         """The pad value of each batch argument."""

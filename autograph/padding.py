@@ -57,6 +57,35 @@ def padded_call(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, siz
     return tuple(new_args), new_kwargs
 
 
+def copy_back(padded: tuple[tuple[Any, ...], dict[str, Any]], batch: Batch, written: list[int],
+              real: int) -> None:
+    """After a call on new padded tensors (``padded_call``): the real rows of the batch
+    arguments at ``written`` (indexes into ``batch``) go back to the caller's tensors."""
+    new_args, new_kwargs = padded
+    for i in written:
+        key, t, dim = batch[i]
+        src = new_args[key] if isinstance(key, int) else new_kwargs[key]
+        t.copy_(src.narrow(dim, 0, real))
+
+
+def shares_memory(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch) -> bool:
+    """Whether a batch argument shares memory with another tensor argument (the same
+    tensor passed twice, a view of another argument): padding copies a batch argument,
+    so a write through one of them would not reach the other as it does eagerly."""
+    slots = [*args, *kwargs.values()]
+    if any(isinstance(x, (list, tuple, dict)) for x in slots):
+        slots = pytree.tree_leaves((args, kwargs))
+    tensors = [x for x in slots if isinstance(x, torch.Tensor) and x.numel()]
+    if len(tensors) < 2:
+        return False
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
+    counts: dict[int, int] = {}
+    for ptr in ptrs:
+        counts[ptr] = counts.get(ptr, 0) + 1
+    return any(counts.get(t.untyped_storage().data_ptr(), 0) > 1
+               for _, t, _ in batch if t.numel())
+
+
 def rows_of(batch: list[tuple[str | int, torch.Tensor, int]]) -> int:
     """The batch size all batch arguments agree on, or 0 when they disagree."""
     real = batch[0][1].shape[batch[0][2]]

@@ -263,6 +263,57 @@ def test_a_call_while_the_buffers_are_in_use_pads_into_new_tensors():
         torch.testing.assert_close(done[0], x * 2)
 
 
+@pytest.mark.parametrize("held", ["grad mode", "buffers in use"])
+def test_a_written_argument_padded_into_new_tensors_reaches_the_callers_tensor(held):
+    """Calls that cannot use the bucket's buffers pad into new tensors; what the
+    function writes into a padded argument still reaches the caller's tensor."""
+    @autograph.graphed(buckets=[4, 8], warmup=0, batch_dims={"state": 0})
+    def f(x, state):
+        state.add_(x)
+        return state * 2
+
+    def call(x, state):
+        if held == "grad mode":
+            return f(x, state)
+        done = []
+        with torch.no_grad(), handle_of(f).call.slots.lock:  # another thread pads now
+            thread = threading.Thread(target=lambda: done.append(f(x, state)))
+            thread.start()
+            thread.join()
+        return done[0]
+
+    with torch.no_grad():  # learns the batch arguments and which are written
+        f(torch.ones(2, 3), torch.zeros(2, 3))
+    for n in (1, 3, 1, 3, 5):
+        x, state = torch.randn(n, 3), torch.randn(n, 3)
+        expected = state + x
+        torch.testing.assert_close(call(x, state), expected * 2)
+        torch.testing.assert_close(state, expected)
+    assert sum(b["padded_rows"] for b in autograph.stats(f)["buckets"].values()) > 0
+
+
+def test_a_batch_argument_sharing_memory_with_another_is_not_padded_apart():
+    """Padding copies a batch argument: when it is (a view of) another argument that
+    the call writes, the padded copy would not see the write as eager mode does."""
+    @autograph.graphed(buckets=[4, 8], warmup=0)
+    def f(x, cache):
+        cache.add_(1)
+        return x * 2
+
+    cache, ref = torch.zeros(3, 2), torch.zeros(3, 2)
+    with torch.no_grad():
+        for _ in range(6):  # separate arguments: learned, checked, captured, replayed
+            x = torch.randn(3, 2)
+            torch.testing.assert_close(f(x, cache), x * 2)
+            ref.add_(1)
+        assert autograph.stats(f)["replays"] >= 2
+        for view in (lambda t: t, lambda t: t[:2]):
+            got = f(view(cache), cache)
+            ref.add_(1)
+            torch.testing.assert_close(got, view(ref) * 2)
+            torch.testing.assert_close(cache, ref)
+
+
 def test_buffers_made_in_inference_mode_and_calls_under_no_grad_or_grad_mode():
     lin = nn.Linear(2, 2)
     g = autograph.graphed(lin, buckets=[4], warmup=0)

@@ -622,3 +622,79 @@ def test_qwen2_dynamic_cache_default_runs_eagerly_and_right():
     s = gen_pair(lambda: causal_lm(Qwen2ForCausalLM, Qwen2Config), ids, 0, max_new_tokens=8,
                  do_sample=False, pad_token_id=0)
     assert s["eager_reasons"].get("assigns_attribute"), s
+
+
+# -- found by the exploratory run of the fourth session (2026-12-01) ---------------------
+@pytest.mark.parametrize("held", ["grad mode", "buffers in use"])
+def test_bucket_written_argument_padded_into_new_tensors_reaches_the_caller(held):
+    @autograph.graphed(buckets=[4, 8], warmup=0, batch_dims={"state": 0})
+    def f(x, state):
+        state.add_(x)
+        return state * 2
+
+    from autograph.lookup import handle_of
+
+    def call(x, state):
+        if held == "grad mode":
+            return f(x, state)
+        with torch.no_grad(), handle_of(f).call.slots.lock:  # another thread pads now
+            with ThreadPoolExecutor(1) as pool:
+                return pool.submit(f, x, state).result()
+
+    with torch.no_grad():
+        f(torch.ones(2, 3, device=dev), torch.zeros(2, 3, device=dev))
+    for n in (1, 3, 1, 3, 5):
+        x, state = torch.randn(n, 3, device=dev), torch.randn(n, 3, device=dev)
+        expected = state + x
+        assert close(call(x, state), expected * 2)
+        assert close(state, expected)
+
+
+def test_bucket_argument_sharing_memory_with_a_written_one():
+    @autograph.graphed(buckets=[4, 8], warmup=0)
+    def f(x, cache):
+        cache.add_(1)
+        return x * 2
+
+    cache, ref = torch.zeros(3, 2, device=dev), torch.zeros(3, 2, device=dev)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 2, device=dev)
+            assert close(f(x, cache), x * 2)
+            ref.add_(1)
+        need(f, 2)
+        for view in (lambda t: t, lambda t: t[:2]):
+            got = f(view(cache), cache)
+            ref.add_(1)
+            assert close(got, view(ref) * 2)
+            assert close(cache, ref)
+
+
+def test_constant_made_with_torch_tensor_replays():
+    """``x * torch.tensor(0.5)`` (a CPU scalar): the call's own tensor, not a hidden
+    read; the graphs replay and are never dropped."""
+    @autograph.graphed
+    def f(x, step):
+        return x * torch.tensor(0.5) + torch.tensor(step)
+
+    with torch.no_grad():
+        for i in range(10):
+            x = torch.randn(3, device=dev)
+            assert close(f(x, i % 2), x * 0.5 + i % 2)
+    need(f, 4)
+    assert counts(f)["invalidations"] == 0
+
+
+def test_device_constant_made_with_torch_tensor_is_right():
+    """``torch.tensor(0.5, device="cuda")`` copies from host memory: replayed or eager
+    with a reason, the results are eager's."""
+    @autograph.graphed
+    def f(x):
+        return x * torch.tensor(0.5, device=x.device)
+
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.randn(3, device=dev)
+            assert close(f(x), x * 0.5)
+    s = counts(f)
+    assert s["replays"] or s["eager_reasons"], s

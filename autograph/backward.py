@@ -202,7 +202,8 @@ class Trained(replay.Captured):
             self.held_reason = self.unsupported
         elif [t.requires_grad for t in self.state] != list(self.flags):
             self.watch.dirty = True
-            self.held_reason = (EagerReason.BACKWARD_UNSUPPORTED,
+            # a state change like a replaced parameter: quiet, the next call captures
+            self.held_reason = (EagerReason.WARMUP,
                                 "a parameter's requires_grad changed: capturing again")
         else:
             self.held_reason = (EagerReason.BACKWARD_PENDING, "")

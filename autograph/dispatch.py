@@ -23,6 +23,7 @@ from .capture import Backend, backend_for
 from .flat import Flat
 from .guards import Watch, running_stack
 from .keys import GraphKey, key_call
+from .memo import KeyMemo
 from .modes import modes
 from .options import Options
 from .ranks import Ranks
@@ -63,6 +64,7 @@ class Engine:
         self.cache = GraphCache(options, stats)
         self.ranks: Ranks | None = None
         self._device: tuple[Any, Backend | None, Callable[[], bool]] = (None, None, bool)
+        self.memo = KeyMemo()  # leaf keys of recent plain calls (memo.py)
         self.labels = {what: f"autograph.{what} {stats.name}"
                        for what in ("replay", "capture", "warmup", "eager")}
         self._use_options(options)
@@ -171,7 +173,7 @@ class Engine:
         watch = self.watch
         if not watch.ok():  # first: the key reads the watched modules' training flags
             self.check_guards()
-        key, flat, device = key_call(args, kwargs, modes, self.training)
+        key, flat, device = key_call(args, kwargs, modes, self.training, self.memo)
         last = self._device
         if last[0] != device:
             last = self._device = _find_backend(device)

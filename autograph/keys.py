@@ -20,6 +20,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .flat import BY_VALUE, FLAT, Flat, spec_key, unopened
+from .memo import KeyMemo
 from .objects import (
     ObjectKey,
     Walked,
@@ -120,13 +121,22 @@ class GraphKey(NamedTuple):
 
 
 
-def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training: Any
-             ) -> tuple[GraphKey, Flat, torch.device]:
+def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training: Any,
+             memo: KeyMemo | None = None) -> tuple[GraphKey, Flat, torch.device]:
     """Key a call: ``(key, flat arguments, the tensors' one device)``.
 
-    ``modes(device)`` returns the global modes for the tensors' device.  Raises
-    :class:`Uncapturable` for calls that cannot be graphed.
+    ``modes(device)`` returns the global modes for the tensors' device.  With ``memo``,
+    a call of positional tensors whose leaf keys it remembers skips reading them (the
+    same key; see ``memo.py``).  Raises :class:`Uncapturable` for calls that cannot be
+    graphed.
     """
+    if memo is not None and not kwargs and memo.recent:
+        known = memo.find(args)
+        if known is not None:
+            aliases = _aliases(args, known.tensor_pos) if known.n > 1 else ()
+            key = _new(GraphKey, (known.n, known.parts, aliases, modes(known.device),
+                                  training(), ()))
+            return key, Flat(args, known.n, (), None, known.tensor_pos), known.device
     if not kwargs and all(map(FLAT, map(type, args))):
         leaves: Any = args
         structure: Any = len(args)
@@ -149,6 +159,8 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     if device is None:
         raise Uncapturable(EagerReason.NO_TENSORS)
     aliases = _aliases(leaves, tensor_pos) if len(tensor_pos) > 1 else ()
+    if memo is not None and type(structure) is int and len(tensor_pos) == structure:
+        memo.learn(args, parts, device)  # plain positional tensors only
     key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
     flat = Flat(leaves, len(args), names, spec, tensor_pos)
     if objs:

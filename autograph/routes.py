@@ -33,6 +33,7 @@ from . import lifecycle, padslots
 from .cache import Entry
 from .flat import FLAT, Flat
 from .keys import GraphKey, key_call
+from .memo import KeyMemo
 from .modes import modes
 from .padding import Batch, slice_back
 from .vocab import Uncapturable
@@ -71,10 +72,11 @@ class Route:
 class Routes:
     """The routes of one bucketer, by the engine's key of the caller's call."""
 
-    __slots__ = ("table",)
+    __slots__ = ("table", "memo")
 
     def __init__(self) -> None:
         self.table: dict[GraphKey, list[Route]] = {}
+        self.memo = KeyMemo()  # leaf keys of the callers' recent calls (memo.py)
 
     def clear(self) -> None:
         self.table = {}
@@ -86,7 +88,7 @@ class Routes:
             return MISS  # never routed, and keying objects costs: not keyed twice
         engine = bucketer.engine
         try:
-            key, flat, _ = key_call(args, kwargs, modes, engine.training)
+            key, flat, _ = key_call(args, kwargs, modes, engine.training, self.memo)
         except Uncapturable:
             return MISS
         found = self.table.get(key)
@@ -139,7 +141,7 @@ class Routes:
             return  # containers and objects: told apart by type before keying anything
         engine = bucketer.engine
         try:
-            key, flat, _ = key_call(args, kwargs, modes, engine.training)
+            key, flat, _ = key_call(args, kwargs, modes, engine.training, self.memo)
             with slot.pinned:  # the padded call's key, as the engine made it
                 padded_key, padded_flat, _, _ = engine._key(*padded)
         except Uncapturable:

@@ -1,0 +1,99 @@
+"""The key memo (memo.py): a call it recognises gets the very key the full path gives."""
+
+import random
+
+import pytest
+import torch
+
+import autograph
+from autograph import memo as memo_module
+from autograph.keys import key_call
+from autograph.memo import KeyMemo
+from autograph.modes import modes
+
+pytestmark = pytest.mark.skipif(memo_module._TensorGuards is None,
+                                reason="this torch has no TensorGuards: the memo is off")
+
+
+def variants(rng):
+    """Tensors that differ from one another in exactly what a key holds, or in nothing
+    it holds (storage offsets, values)."""
+    base = torch.randn(4, 6)
+    pick = rng.randrange(14)
+    if pick == 0:
+        return base
+    if pick == 1:
+        return base.t()
+    if pick == 2:
+        return torch.randn(6, 4)
+    if pick == 3:
+        return base.double()
+    if pick == 4:
+        return base.clone().requires_grad_()
+    if pick == 5:
+        return torch.nn.Parameter(base.clone())
+    if pick == 6:
+        return base[1:]  # a storage offset and another shape
+    if pick == 7:
+        return torch.randn(5, 6)[1:]  # another storage offset, the same geometry as base
+    if pick == 8:
+        return base[:, :1].expand(4, 6)  # zero strides
+    if pick == 9:
+        return torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    if pick == 10:
+        return torch.randn(2, 3, 2, 2)
+    if pick == 11:
+        return torch.tensor(1.5)
+    if pick == 12:
+        return torch.empty(0, 6)
+    with torch.inference_mode():
+        return torch.randn(4, 6)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_remembered_key_is_the_full_paths_key(seed):
+    rng = random.Random(seed)
+    memo = KeyMemo()
+    training = lambda: None  # noqa: E731
+    hits = 0
+    for _ in range(60):
+        args = tuple(variants(rng) for _ in range(rng.randrange(1, 4)))
+        if rng.random() < 0.3:
+            args = (*args, args[0])  # the same tensor twice: aliasing is read per call
+        known = memo.find(args) if memo.recent else None
+        hits += known is not None
+        got = key_call(args, {}, modes, training, memo)
+        want = key_call(args, {}, modes, training)
+        assert got[0] == want[0] and got[2] == want[2]
+        assert list(got[1].leaves) == list(want[1].leaves)
+        assert got[1].tensor_pos == want[1].tensor_pos
+    assert hits > 0
+
+
+def test_in_place_changes_of_an_argument_are_seen():
+    """The same tensor object, changed in place between calls (``resize_``, ``t_``,
+    ``.data =``, ``requires_grad_``): each call gets the key of what it is now."""
+    memo = KeyMemo()
+    x = torch.randn(3, 4)
+
+    def same_key():
+        got = key_call((x,), {}, modes, lambda: None, memo)[0]
+        return got == key_call((x,), {}, modes, lambda: None)[0]
+
+    for change in (lambda: x.t_(), lambda: x.resize_(5, 2), lambda: x.unsqueeze_(0),
+                   lambda: setattr(x, "data", torch.randn(2, 2, dtype=torch.float64)),
+                   lambda: x.requires_grad_()):
+        assert same_key() and same_key()  # learned, then found
+        change()
+        assert same_key()
+
+
+def test_graphed_calls_with_in_place_resized_arguments_equal_eager(standin):
+    lin = torch.nn.Linear(4, 4)
+    g = autograph.graphed(lin)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for shape in [(2, 4)] * 4 + [(3, 4)] * 4 + [(2, 4)] * 2:
+            x.resize_(*shape).normal_()
+            torch.testing.assert_close(g(x), lin(x))
+    assert autograph.stats(g)["replays"] >= 3

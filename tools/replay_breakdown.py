@@ -29,6 +29,8 @@ def main():
         rows = {
             "plain module(x)": lambda: model(x),
             "key_call": lambda: key_call((x,), {}, modes, engine.training),
+            "key_call, memo hit": lambda: key_call((x,), {}, modes, engine.training,
+                                                   engine.memo),
             "modes": lambda: modes(x.device),
             "watch.ok": engine.watch.ok,
             "watch.training": engine.watch.training,

@@ -143,7 +143,7 @@ class Memo:
         self.layers, self.per_layer = layers, tuple(seen)
         self.state = state
         self.tensors, self.paths = tuple(walked.tensors), tuple(walked.paths)
-        # (device, the finished ObjectKey, the tensors' metadata), set by objects.finish
+        # (device, the finished ObjectKey, the check of its tensors), set by objects.finish
         self.done: tuple[Any, Any, Any] | None = None
 
     def unchanged(self, d: dict[str, Any]) -> bool:

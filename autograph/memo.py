@@ -31,6 +31,9 @@ def _find_check() -> Any:
 
 _TensorGuards: Any = _find_check()
 
+# One C++ pass comparing tensors' data pointers with expected ones (CUDA builds)
+_ptrs_equal: Any = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
 MAX_REMEMBERED = 8  # keys per memo; past it the oldest goes
 
 
@@ -79,3 +82,31 @@ class KeyMemo:
         if len(recent) >= MAX_REMEMBERED:
             del recent[0]
         recent.append(Remembered(guards.check, parts, device))
+
+
+def same_tensors(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:
+    """A check that a list of tensors has, one by one, the metadata (as the memo's
+    check reads it) and the addresses that ``tensors`` have now: what an object
+    argument's finished key holds of its tensors (``objects.finish``)."""
+    ptrs = [t.data_ptr() for t in tensors]
+    n = len(ptrs)
+    guards = None
+    if _TensorGuards is not None:
+        try:
+            guards = _TensorGuards(*tensors,
+                                   dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                   dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        except Exception:  # noqa: BLE001 - a check built otherwise here: read them all
+            guards = None
+    if guards is None:
+        meta = _metadata(tensors)
+        return lambda now: _metadata(now) == meta
+    check = guards.check
+    if _ptrs_equal is not None:
+        every = list(range(n))
+        return lambda now: len(now) == n and check(*now) and _ptrs_equal(now, ptrs, every)
+    return lambda now: len(now) == n and check(*now) and [t.data_ptr() for t in now] == ptrs
+
+
+def _metadata(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
+    return [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) for t in tensors]

@@ -41,6 +41,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .known_types import keyer_for
+from .memo import same_tensors
 from .vocab import EagerReason, Uncapturable
 from .walk import VALUES, Walked, walk
 
@@ -110,8 +111,9 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
 
     A keyer's record of the object's last keying (``walked.memo``: the same object
     with nothing rebound, see ``known_types.Memo``) gives the key it finished last when
-    every tensor's shape, strides, dtype, device and address are as then (no host
-    tensor next to device work, not under grad mode).  Its type is the record's to check
+    every tensor's shape, strides, dtype, device and address are as then (one C++
+    check, ``memo.same_tensors``; no host tensor next to device work, not under grad
+    mode).  Its type is the record's to check
     (``__class__`` can be assigned); its layout cannot change (a strided tensor's
     ``set_``/``.data =`` take strided tensors only)."""
     memo = walked.memo
@@ -119,7 +121,7 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     if memo is not None and not grad:
         done = memo.done
         if (done is not None and done[0] == device and part.state is memo.state
-                and done[2] == _metadata(walked.tensors)):
+                and done[2](walked.tensors)):
             return done[1]  # type: ignore[no-any-return]
     keys = []
     host = device.type != "cpu"
@@ -145,14 +147,8 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     finished = _new(ObjectKey, (part.kind, part.state, tensors,
                                 hash((part.kind, part.state, tensors))))
     if memo is not None and not grad and not versions and part.state is memo.state:
-        memo.done = (device, finished, _metadata(walked.tensors))
+        memo.done = (device, finished, same_tensors(walked.tensors))
     return finished
-
-
-def _metadata(tensors: Any) -> list[tuple[Any, ...]]:
-    """What :func:`finish` reads of each tensor (a raw address: equal raw addresses and
-    shapes give equal keys)."""
-    return [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) for t in tensors]
 
 
 def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:

@@ -10,6 +10,8 @@ or an equal scalar of the same type).  ``guards.Watch`` compares them per call.
 
 from __future__ import annotations
 
+import dis
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -52,12 +54,19 @@ def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     return out
 
 
-def _global_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
+@functools.lru_cache(maxsize=1024)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    """The global names ``code`` (and the code nested in it) loads.  Not ``co_names``:
+    that also lists attribute names (``self.out`` next to a global ``out``, rebound by
+    the caller every call, would drop the graphs every call)."""
+    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _global_names(const)
-    return names
+    return frozenset(names)
+
+
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
 
 
 def _trackable(value: Any) -> bool:

@@ -424,3 +424,31 @@ def test_a_constant_made_with_torch_tensor_is_no_hidden_read(standin):
             torch.testing.assert_close(f(x, i % 2), x * 0.5 + i % 2)
     s = autograph.stats(f)
     assert s["replays"] >= 4 and s["invalidations"] == 0
+
+
+out = None  # a global named like the attribute Headed.forward reads (self.out)
+
+
+class Headed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.body(x)))
+
+
+def test_a_global_named_like_an_attribute_is_not_guarded(standin):
+    """Only the globals the code loads are guarded, not every name in ``co_names``:
+    a caller's global ``out`` rebound every call leaves ``self.out``'s graphs alone."""
+    global out
+    model = Headed()
+    g = autograph.graphed(model)
+    x = torch.randn(3, 4)
+    out = model(x)  # a tensor when the watch first reads the globals
+    with torch.no_grad():
+        for _ in range(8):
+            out = g(x)
+            torch.testing.assert_close(out, model(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 and s["invalidations"] == 0, s

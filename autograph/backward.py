@@ -48,12 +48,12 @@ from typing import Any, cast
 import torch
 from torch.utils import _pytree as pytree
 
-from . import gradgraph, lifecycle, recompute, replay
+from . import gradgraph, recompute, replay
 from .capture import Backend, Pool
 from .gradgraph import GradGraph, copy_all
 from .guards import Watch
 from .stats import Stats
-from .vocab import EagerReason, logger
+from .vocab import EagerReason
 
 _HELD = replay.HELD
 _TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
@@ -95,7 +95,7 @@ class Trained(replay.Captured):
     __slots__ = ("watch", "stats", "spec", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
-                 "spare", "spare_due", "single", "recompute", "unsupported")
+                 "spare", "spare_due", "single", "recompute", "unsupported", "reached")
 
     def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -123,7 +123,10 @@ class Trained(replay.Captured):
         self.sources = list(first.values())  # argument positions, one per target buffer
         self.state = list(watch.tensors())
         self.flags = tuple(t.requires_grad for t in self.state)
-        self.inputs_state = [t for t in self.state if t.requires_grad]
+        # each tensor once: a parameter tied between modules (a language model's
+        # embedding and output layer) is held twice, and autograd would add its
+        # gradient once per input
+        self.inputs_state = list({id(t): t for t in self.state if t.requires_grad}.values())
         self.targets = [base.static.buffers[base.static.positions.index(i)]
                         for i in self.sources] + self.inputs_state
         self.saved_state = saved_state
@@ -141,6 +144,8 @@ class Trained(replay.Captured):
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
         # why every later call runs eagerly (recompute.DIFFERENTIATED), once it does
         self.unsupported: tuple[EagerReason, str] | None = None
+        # per differentiable output, the targets it reaches (gradgraph.reach), once needed
+        self.reached: list[frozenset[int]] | None = None
 
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
@@ -155,7 +160,7 @@ class Trained(replay.Captured):
             if [t.requires_grad for t in state] != flags_list or self.unsupported:
                 return self._hold()
             if self.want_backward:  # set by a backward that ran eagerly (replay_backward)
-                self._capture_backward()
+                gradgraph.capture_next(self)
             inputs = [leaves[i] for i in sources] + inputs_state if sources \
                 else inputs_state
             flat_box: list[list[Any]] = []
@@ -264,6 +269,18 @@ class Trained(replay.Captured):
         the spare's while an earlier call's gradients are held, else (no graph
         captured yet) those of the captured autograd graph, run eagerly."""
         wanted = [grads[k] for k in self.diff]
+        unreached: set[int] = set()
+        if any(g is None for g in wanted):  # outputs the loss does not use
+            if self.reached is None:
+                self.reached = gradgraph.reach(self.static_diff, self.targets)
+            wanted, unreached = gradgraph.without_gradient(wanted, self.static_diff,
+                                                           self.reached, len(self.targets))
+        out = self._backward(call, wanted)
+        for i in unreached:  # as in eager mode: no gradient, not a zero one
+            out[i] = None
+        return out
+
+    def _backward(self, call: _Call, wanted: list[torch.Tensor]) -> list[torch.Tensor | None]:
         with self.pool.lock:
             self._own(call)
             graph = self.backward_graph
@@ -281,36 +298,6 @@ class Trained(replay.Captured):
             self.stats.backward_replays += 1
         return out
 
-    def _capture_backward(self) -> None:
-        """Capture the backward graph (at the call after the first backward), or the
-        spare (at the call after a backward that found the first one's gradients held:
-        as ``.grad`` when accumulating over micro-batches).  Forward calls do not look
-        for held gradients themselves: that would cost every call a use-count pass."""
-        with lifecycle.CAPTURE_LOCK:
-            first = self.backward_graph is None
-            if not (self.want_backward if first else self.spare_due is not None):
-                return  # captured by another thread, or the spare already tried
-            self.want_backward = False
-            self.spare_due = None  # one try
-            try:
-                with lifecycle.nested_block():
-                    graph = gradgraph.capture(self.backend, self.device, self.static_diff,
-                                              self.targets, handout=first)
-            except lifecycle.CAPTURE_ERRORS as exc:
-                name = self.stats.name if self.stats is not None else "autograph"
-                logger.warning("%s: the backward graph could not be captured (%s): "
-                               "backwards run the captured forward's autograd graph "
-                               "eagerly", name, lifecycle._first_line(exc))
-                return
-            if first:
-                self.backward_graph = graph
-                self.spare_due = graph.held if graph.handout else None
-            else:
-                self.spare = graph
-            if self.stats is not None:
-                self.stats.backward_captures += 1
-
-
 class _Replay(torch.autograd.Function):
     """One call of a training graph, as autograd sees it."""
 
@@ -319,6 +306,7 @@ class _Replay(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         token = _TOKEN.detach()  # alive while this call's backward may still run
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
+        ctx.set_materialize_grads(False)  # unused outputs: None, not zeros
         ctx.graph = graph
         ctx.call = call
         ctx.leaves = leaves  # for gradients differentiated again (recompute.py)

@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 
+from . import lifecycle
 from .buffers import _foreach_copy
+from .vocab import logger
 
 use_count = getattr(torch._C, "_storage_Use_Count", None)
 _lt = int.__lt__
@@ -102,3 +104,72 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
     run: Callable[[], Any] = backward
     graph, got = backend.capture(device, run)
     return GradGraph(graph, grad_in, list(got), lent[0])
+
+
+def reach(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[frozenset[int]]:
+    """Per output, the indexes of the targets its autograd graph reaches (through the
+    targets' ``AccumulateGrad`` nodes, or the output being a target itself)."""
+    index = {id(t): i for i, t in enumerate(targets)}
+    found: list[frozenset[int]] = []
+    for out in outs:
+        hit = {index[id(out)]} if out.grad_fn is None and id(out) in index else set()
+        seen: set[int] = set()
+        stack = [out.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+            if variable is not None and id(variable) in index:
+                hit.add(index[id(variable)])
+            stack.extend(nxt for nxt, _ in node.next_functions)
+        found.append(frozenset(hit))
+    return found
+
+
+def without_gradient(wanted: list[Any], outs: list[torch.Tensor],
+                     reached: list[frozenset[int]], n_targets: int
+                     ) -> tuple[list[torch.Tensor], set[int]]:
+    """For a backward in which some outputs got no gradient (the loss does not use
+    them; autograd passes None): zeros in their place, and the targets that only those
+    outputs reach, whose gradients stay None as they do in eager mode."""
+    used: set[int] = set()
+    for k, grad in enumerate(wanted):
+        if grad is not None:
+            used |= reached[k]
+    filled = [torch.zeros_like(out) if grad is None else grad
+              for grad, out in zip(wanted, outs)]
+    return filled, set(range(n_targets)) - used
+
+
+
+def capture_next(trained: Any) -> None:
+    """Capture a training graph's (``backward.Trained``) backward graph, at the call
+    after its first backward, or the spare, at the call after a backward that found
+    the first one's gradients held (as ``.grad`` when accumulating over
+    micro-batches).  Forward calls do not look for held gradients themselves: that
+    would cost every call a use-count pass."""
+    with lifecycle.CAPTURE_LOCK:
+        first = trained.backward_graph is None
+        if not (trained.want_backward if first else trained.spare_due is not None):
+            return  # captured by another thread, or the spare already tried
+        trained.want_backward = False
+        trained.spare_due = None  # one try
+        try:
+            with lifecycle.nested_block():
+                graph = capture(trained.backend, trained.device, trained.static_diff,
+                                trained.targets, handout=first)
+        except lifecycle.CAPTURE_ERRORS as exc:
+            name = trained.stats.name if trained.stats is not None else "autograph"
+            logger.warning("%s: the backward graph could not be captured (%s): "
+                           "backwards run the captured forward's autograd graph "
+                           "eagerly", name, lifecycle._first_line(exc))
+            return
+        if first:
+            trained.backward_graph = graph
+            trained.spare_due = graph.held if graph.handout else None
+        else:
+            trained.spare = graph
+        if trained.stats is not None:
+            trained.stats.backward_captures += 1

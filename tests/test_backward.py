@@ -741,3 +741,73 @@ def test_gradients_of_a_call_drawing_random_numbers_differentiated_again_raise(s
         _pinn_step(g, torch.randn(8, 2)).backward()
     _pinn_step(g, torch.randn(8, 2)).backward()  # eagerly from then on
     assert autograph.stats(g)["eager_reasons"]["backward_unsupported"] == 1
+
+
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight, as language models do."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def test_a_tied_parameter_gets_its_gradient_once():
+    m = Tied()
+    g = autograph.graphed(copy.deepcopy(m))
+    opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, g)]
+    for _ in range(6):
+        ids = torch.randint(0, 16, (4,))
+        for model, opt in zip((m, g), opts):
+            opt.zero_grad(set_to_none=True)
+            model(ids).logsumexp(-1).sum().backward()
+            opt.step()
+        torch.testing.assert_close(g.embed.weight.grad, m.embed.weight.grad)
+        torch.testing.assert_close(g.embed.weight, m.embed.weight)
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["backward_replays"] >= 2, s
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h), self.b(h)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_parameters_only_unused_outputs_reach_get_no_gradient(create_graph):
+    """A loss that uses one of two outputs: the other head's parameters keep ``.grad``
+    None as in eager mode (so AdamW leaves them alone), not a zero gradient."""
+    m = TwoHeads()
+    g = autograph.graphed(copy.deepcopy(m))
+    opts = [torch.optim.AdamW(x.parameters(), lr=0.01, weight_decay=0.1) for x in (m, g)]
+    for step in range(8):
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        for model, opt in zip((m, g), opts):
+            opt.zero_grad(set_to_none=True)
+            a, b = model(x)
+            loss = nn.functional.mse_loss(a if step % 2 else b, y)
+            if create_graph:  # a gradient penalty: the backward is differentiated again
+                (grad,) = torch.autograd.grad(loss, model.body.weight, create_graph=True)
+                loss = loss + grad.pow(2).sum()
+            loss.backward()
+            opt.step()
+        for p, q in zip(m.parameters(), g.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            torch.testing.assert_close(q, p)
+    s = autograph.stats(g)
+    if create_graph:  # recomputed once (with a None gradient), then eager by design
+        assert s["captures"] >= 1 and "backward_unsupported" in s["eager_reasons"], s
+    else:
+        assert s["replays"] >= 3 and s["backward_replays"] >= 3, s

@@ -698,3 +698,65 @@ def test_device_constant_made_with_torch_tensor_is_right():
             assert close(f(x), x * 0.5)
     s = counts(f)
     assert s["replays"] or s["eager_reasons"], s
+
+
+def test_tied_parameter_gradient_once_and_unused_head_none():
+    """A tied embedding/output weight gets its gradient once; the parameters only an
+    unused output reaches keep ``.grad`` None (AdamW then leaves them alone)."""
+    torch.manual_seed(0)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.body = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.weight = self.embed.weight
+            self.aux = nn.Linear(16, 3)
+
+        def forward(self, ids):
+            h = torch.tanh(self.body(self.embed(ids)))
+            return self.head(h), self.aux(h)
+
+    m = Model().to(dev)
+    g = autograph.graphed(copy.deepcopy(m))
+    opts = [torch.optim.AdamW(x.parameters(), lr=1e-2, weight_decay=0.1) for x in (m, g)]
+    for step in range(8):
+        ids = torch.randint(0, 32, (4,), device=dev)
+        for model, opt in zip((m, g), opts):
+            opt.zero_grad(set_to_none=True)
+            logits, aux = model(ids)
+            loss = logits.logsumexp(-1).sum() + (aux.sum() if step % 2 else 0)
+            loss.backward()
+            opt.step()
+        for p, q in zip(m.parameters(), g.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            assert close(q, p, 1e-4)
+    s = counts(g)
+    assert s["replays"] >= 4 and s["backward_replays"] >= 3, s
+
+
+OUT_NAME = None
+
+
+def test_global_named_like_an_attribute_keeps_the_graphs():
+    global OUT_NAME
+
+    class Headed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.OUT_NAME = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.OUT_NAME(torch.relu(self.body(x)))
+
+    model = Headed().to(dev)
+    g = autograph.graphed(model)
+    x = torch.randn(3, 4, device=dev)
+    OUT_NAME = model(x)
+    with torch.no_grad():
+        for _ in range(8):
+            OUT_NAME = g(x)
+            assert close(OUT_NAME, model(x))
+    s = counts(g)
+    assert s["replays"] >= 4 and s["invalidations"] == 0, s

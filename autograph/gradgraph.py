@@ -106,44 +106,6 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
     return GradGraph(graph, grad_in, list(got), lent[0])
 
 
-def reach(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[frozenset[int]]:
-    """Per output, the indexes of the targets its autograd graph reaches (through the
-    targets' ``AccumulateGrad`` nodes, or the output being a target itself)."""
-    index = {id(t): i for i, t in enumerate(targets)}
-    found: list[frozenset[int]] = []
-    for out in outs:
-        hit = {index[id(out)]} if out.grad_fn is None and id(out) in index else set()
-        seen: set[int] = set()
-        stack = [out.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
-            if variable is not None and id(variable) in index:
-                hit.add(index[id(variable)])
-            stack.extend(nxt for nxt, _ in node.next_functions)
-        found.append(frozenset(hit))
-    return found
-
-
-def without_gradient(wanted: list[Any], outs: list[torch.Tensor],
-                     reached: list[frozenset[int]], n_targets: int
-                     ) -> tuple[list[torch.Tensor], set[int]]:
-    """For a backward in which some outputs got no gradient (the loss does not use
-    them; autograd passes None): zeros in their place, and the targets that only those
-    outputs reach, whose gradients stay None as they do in eager mode."""
-    used: set[int] = set()
-    for k, grad in enumerate(wanted):
-        if grad is not None:
-            used |= reached[k]
-    filled = [torch.zeros_like(out) if grad is None else grad
-              for grad, out in zip(wanted, outs)]
-    return filled, set(range(n_targets)) - used
-
-
-
 def capture_next(trained: Any) -> None:
     """Capture a training graph's (``backward.Trained``) backward graph, at the call
     after its first backward, or the spare, at the call after a backward that found

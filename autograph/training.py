@@ -251,12 +251,12 @@ def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) 
     call): gradients would not reach it.  None if it does not."""
     allowed = {id(t) for t in targets}
     stack = [t.grad_fn for t in outs]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # visited nodes kept alive: their ids are not reused
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
             if id(var) not in allowed:

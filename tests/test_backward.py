@@ -772,3 +772,37 @@ def test_a_tied_parameter_gets_its_gradient_once():
         torch.testing.assert_close(g.embed.weight, m.embed.weight)
     s = autograph.stats(g)
     assert s["replays"] >= 3 and s["backward_replays"] >= 2, s
+
+
+FAR_OUTSIDE = torch.randn(8, 8, requires_grad=True)  # requires grad: no parameter or argument
+
+
+class ReadsOutside(nn.Module):
+    """A deep forward whose first operator reads a tensor from outside the call: the
+    walk of its autograd graph must reach it past every node after it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(30))
+
+    def forward(self, x):
+        h = x @ FAR_OUTSIDE
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) + h * 0.5
+        return h
+
+
+def test_a_forward_reading_a_tensor_that_requires_grad_from_outside_runs_eagerly():
+    m = ReadsOutside()
+    g = autograph.graphed(m)
+    for _ in range(5):
+        x = torch.randn(2, 8)
+        FAR_OUTSIDE.grad = None
+        g(x).sum().backward()
+        got, FAR_OUTSIDE.grad = FAR_OUTSIDE.grad, None
+        m(x).sum().backward()
+        torch.testing.assert_close(got, FAR_OUTSIDE.grad)
+    s = autograph.stats(g)
+    assert s["eager_reasons"].get("backward_unsupported", 0) >= 2, s
+    assert "no argument" in str(s["eager_details"]), s

@@ -438,13 +438,14 @@ class Headed(nn.Module):
         return self.out(torch.relu(self.body(x)))
 
 
-def test_a_global_named_like_an_attribute_is_not_guarded(standin):
+def check_global_named_like_an_attribute(device="cpu"):
     """Only the globals the code loads are guarded, not every name in ``co_names``:
-    a caller's global ``out`` rebound every call leaves ``self.out``'s graphs alone."""
+    a caller's global ``out`` rebound every call leaves ``self.out``'s graphs alone
+    (shared with tests/gpu)."""
     global out
-    model = Headed()
+    model = Headed().to(device)
     g = autograph.graphed(model)
-    x = torch.randn(3, 4)
+    x = torch.randn(3, 4, device=device)
     out = model(x)  # a tensor when the watch first reads the globals
     with torch.no_grad():
         for _ in range(8):
@@ -452,3 +453,7 @@ def test_a_global_named_like_an_attribute_is_not_guarded(standin):
             torch.testing.assert_close(out, model(x))
     s = autograph.stats(g)
     assert s["replays"] >= 4 and s["invalidations"] == 0, s
+
+
+def test_a_global_named_like_an_attribute_is_not_guarded(standin):
+    check_global_named_like_an_attribute()

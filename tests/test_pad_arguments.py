@@ -263,10 +263,10 @@ def test_a_call_while_the_buffers_are_in_use_pads_into_new_tensors():
         torch.testing.assert_close(done[0], x * 2)
 
 
-@pytest.mark.parametrize("held", ["grad mode", "buffers in use"])
-def test_a_written_argument_padded_into_new_tensors_reaches_the_callers_tensor(held):
+def check_written_argument_padded_into_new_tensors(held, device="cpu"):
     """Calls that cannot use the bucket's buffers pad into new tensors; what the
-    function writes into a padded argument still reaches the caller's tensor."""
+    function writes into a padded argument still reaches the caller's tensor (shared
+    with tests/gpu)."""
     @autograph.graphed(buckets=[4, 8], warmup=0, batch_dims={"state": 0})
     def f(x, state):
         state.add_(x)
@@ -283,13 +283,18 @@ def test_a_written_argument_padded_into_new_tensors_reaches_the_callers_tensor(h
         return done[0]
 
     with torch.no_grad():  # learns the batch arguments and which are written
-        f(torch.ones(2, 3), torch.zeros(2, 3))
+        f(torch.ones(2, 3, device=device), torch.zeros(2, 3, device=device))
     for n in (1, 3, 1, 3, 5):
-        x, state = torch.randn(n, 3), torch.randn(n, 3)
+        x, state = torch.randn(n, 3, device=device), torch.randn(n, 3, device=device)
         expected = state + x
         torch.testing.assert_close(call(x, state), expected * 2)
         torch.testing.assert_close(state, expected)
     assert sum(b["padded_rows"] for b in autograph.stats(f)["buckets"].values()) > 0
+
+
+@pytest.mark.parametrize("held", ["grad mode", "buffers in use"])
+def test_a_written_argument_padded_into_new_tensors_reaches_the_callers_tensor(held):
+    check_written_argument_padded_into_new_tensors(held)
 
 
 def test_a_batch_argument_sharing_memory_with_another_is_not_padded_apart():

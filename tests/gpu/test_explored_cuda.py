@@ -18,6 +18,8 @@ from torch import nn
 
 import autograph
 
+from ..test_guards import check_global_named_like_an_attribute
+from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import counts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -627,27 +629,7 @@ def test_qwen2_dynamic_cache_default_runs_eagerly_and_right():
 # -- found by the exploratory run of the fourth session (2026-12-01) ---------------------
 @pytest.mark.parametrize("held", ["grad mode", "buffers in use"])
 def test_bucket_written_argument_padded_into_new_tensors_reaches_the_caller(held):
-    @autograph.graphed(buckets=[4, 8], warmup=0, batch_dims={"state": 0})
-    def f(x, state):
-        state.add_(x)
-        return state * 2
-
-    from autograph.lookup import handle_of
-
-    def call(x, state):
-        if held == "grad mode":
-            return f(x, state)
-        with torch.no_grad(), handle_of(f).call.slots.lock:  # another thread pads now
-            with ThreadPoolExecutor(1) as pool:
-                return pool.submit(f, x, state).result()
-
-    with torch.no_grad():
-        f(torch.ones(2, 3, device=dev), torch.zeros(2, 3, device=dev))
-    for n in (1, 3, 1, 3, 5):
-        x, state = torch.randn(n, 3, device=dev), torch.randn(n, 3, device=dev)
-        expected = state + x
-        assert close(call(x, state), expected * 2)
-        assert close(state, expected)
+    check_written_argument_padded_into_new_tensors(held, dev)
 
 
 def test_bucket_argument_sharing_memory_with_a_written_one():
@@ -736,27 +718,5 @@ def test_tied_parameter_gradient_once():
     assert s["replays"] >= 4 and s["backward_replays"] >= 3, s
 
 
-OUT_NAME = None
-
-
 def test_global_named_like_an_attribute_keeps_the_graphs():
-    global OUT_NAME
-
-    class Headed(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.body, self.OUT_NAME = nn.Linear(4, 4), nn.Linear(4, 2)
-
-        def forward(self, x):
-            return self.OUT_NAME(torch.relu(self.body(x)))
-
-    model = Headed().to(dev)
-    g = autograph.graphed(model)
-    x = torch.randn(3, 4, device=dev)
-    OUT_NAME = model(x)
-    with torch.no_grad():
-        for _ in range(8):
-            OUT_NAME = g(x)
-            assert close(OUT_NAME, model(x))
-    s = counts(g)
-    assert s["replays"] >= 4 and s["invalidations"] == 0, s
+    check_global_named_like_an_attribute(dev)

@@ -113,9 +113,22 @@ class Options:
         for arg, dim in self.batch_dims.items():  # type: ignore[union-attr]
             if dim is not None:
                 _int_at_least(f"batch_dims[{arg!r}]", dim, 0)
+        for arg, value in self.pad_values.items():  # type: ignore[union-attr]
+            _pad_value(arg, value)
         writes = {arg: _region(arg, where)
                   for arg, where in self.pad_writes.items()}  # type: ignore[union-attr]
         object.__setattr__(self, "pad_writes", writes)
+
+
+def _pad_value(arg: Any, value: Any) -> None:
+    """A pad value is a number or a 0-dim tensor: padded rows are filled with it."""
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return
+    if not isinstance(value, (bool, int, float, complex)):
+        raise ValueError(f"autograph: pad_values[{arg!r}] must be a number (padded rows are "
+                         f"filled with it), got {value!r}")
 
 
 def _region(arg: Any, where: Any) -> tuple[int, int | slice | tuple[int, ...]]:

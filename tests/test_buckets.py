@@ -155,7 +155,8 @@ def test_a_new_region_per_step_keeps_what_buckets_learned():
 @pytest.mark.parametrize(
     "kwargs",
     [{"buckets": []}, {"buckets": [0, 2]}, {"buckets": "1,2"}, {"max_graph_memory": 0},
-     {"batch_dims": {"x": -1}}, {"batch_dims": [0]}],
+     {"batch_dims": {"x": -1}}, {"batch_dims": [0]}, {"pad_values": {"x": "a"}},
+     {"pad_values": {"x": None}}, {"pad_values": {0: torch.zeros(1)}}],
 )
 def test_bad_bucket_options_raise(kwargs):
     with pytest.raises(ValueError, match="autograph"):

@@ -39,7 +39,7 @@ import torch
 from . import padcheck, padslots, routes
 from . import switch as _switch
 from .arguments import Arguments, Key
-from .dispatch import Engine
+from .dispatch import Engine, _functorch_active
 from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
@@ -96,7 +96,8 @@ class Bucketer:
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.stats.calls += 1
         engine = self.engine
-        if (_switch._active or _switch.env_set()) and _switch.is_disabled():
+        if (_switch._active or _switch.env_set()) and _switch.is_disabled() \
+                or _functorch_active():  # (inside vmap & co: eager, keyed no further)
             return engine.dispatch(args, kwargs)
         if engine.check_guards():  # module state changed: learn and check again
             self._forget()

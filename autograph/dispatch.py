@@ -39,6 +39,9 @@ _is_nested = lifecycle.is_nested
 _grad_enabled = torch.is_grad_enabled
 _nesting = lifecycle.nested_block
 _HELD = replay.HELD
+_functorch_active: Callable[[], bool] = getattr(
+    torch._C, "_are_functorch_transforms_active", lambda: False)
+IN_TRANSFORM = "called inside a torch.func transform (vmap, grad, jacrev, functionalize)"
 
 # When a callable stops trying: this many new keys in a row without a replay (keys that
 # never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.
@@ -170,6 +173,8 @@ class Engine:
         """Key the call, or raise Uncapturable with the reason it must run eagerly."""
         if _nesting.active and _is_nested():
             raise Uncapturable(EagerReason.NESTED)
+        if _functorch_active():  # its tensors are wrappers without storage to copy
+            raise Uncapturable(EagerReason.UNKEYABLE, IN_TRANSFORM)
         watch = self.watch
         if not watch.ok():  # first: the key reads the watched modules' training flags
             self.check_guards()

@@ -238,3 +238,33 @@ def test_a_key_whose_capture_raised_warms_up_before_capturing_again(standin):
     x = torch.randn(4, 3)
     torch.testing.assert_close(g(x), reference(x))  # a warmup: eager, as the reference
     assert int(model.num_batches_tracked) == int(reference.num_batches_tracked) - 1
+
+
+@pytest.mark.parametrize("buckets", [None, [2, 4]])
+def test_calls_inside_torch_func_transforms_run_eagerly(standin, buckets):
+    """``torch.vmap``, ``torch.func.grad``, ``jacrev`` and ``functionalize`` pass
+    wrapper tensors without storage: the calls run eagerly, with their reason, and
+    the same callable graphs plain calls before and after."""
+    lin = nn.Linear(4, 4)
+    g = autograph.graphed(lin, buckets=buckets)
+
+    def f(x):
+        return torch.tanh(g(x)).sum()
+
+    xs = torch.randn(3, 2, 4)
+    with torch.no_grad():
+        for _ in range(6):  # graphs for plain calls first
+            torch.testing.assert_close(g(xs[0]), lin(xs[0]))
+    replays = autograph.stats(g)["replays"]
+    assert replays >= 1
+    torch.testing.assert_close(torch.vmap(g)(xs), lin(xs))
+    x = xs[0]
+    want = torch.func.grad(lambda t: torch.tanh(lin(t)).sum())(x)
+    torch.testing.assert_close(torch.func.grad(f)(x), want)
+    torch.testing.assert_close(torch.func.jacrev(g)(x), torch.func.jacrev(lin)(x))
+    torch.testing.assert_close(torch.func.functionalize(g)(x), lin(x))
+    s = autograph.stats(g)
+    assert "torch.func transform" in str(s["eager_details"]), s
+    with torch.no_grad():
+        torch.testing.assert_close(g(xs[0]), lin(xs[0]))
+    assert autograph.stats(g)["replays"] > replays

@@ -126,6 +126,9 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+_CPU = torch.device("cpu")
+
+
 class StandinBackend:
     """Graphs for CPU tensors, with the contract of ``autograph.capture.CudaBackend``."""
 
@@ -166,7 +169,7 @@ class StandinBackend:
         self.pools_used.append(pool if pool is not None else self._pool)
         self._local.capturing = True
         try:
-            with recorder:
+            with recorder, self._stream_capturing():
                 if self.fail_next is not None:
                     exc, self.fail_next = self.fail_next, None
                     raise exc
@@ -180,6 +183,18 @@ class StandinBackend:
         else:
             self.reserved += recorder.nbytes
         return RecordedGraph(recorder.ops, self.replay_delay), out
+
+    @contextlib.contextmanager
+    def _stream_capturing(self) -> Iterator[None]:
+        """``torch.cuda.is_current_stream_capturing()`` is True on this thread while it
+        captures, as on CUDA: libraries skip their host syncs then (transformers'
+        ``is_tracing()``: an attention mask's ``.all()``), which a capture could not run."""
+        before = torch.cuda.is_current_stream_capturing
+        torch.cuda.is_current_stream_capturing = lambda: self.is_capturing(_CPU)
+        try:
+            yield
+        finally:
+            torch.cuda.is_current_stream_capturing = before
 
     def memory_reserved(self, device: torch.device) -> int:
         return self.reserved

@@ -465,3 +465,24 @@ def test_static_cache_key_memo_goes_with_the_cache():
     del cache
     gc.collect()
     assert not known_types._memos
+
+
+def test_an_encoder_with_padding_masks_replays():
+    """A BERT encoder under masks of varying padding: transformers skips its mask
+    check while a stream captures (the stand-in's capture says so, as CUDA's does),
+    so one graph serves every mask of the shape, equal to eager."""
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64)
+    model = transformers.BertModel(cfg).eval()
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for i in range(8):
+            ids = torch.randint(0, 96, (2, 8))
+            mask = torch.ones(2, 8, dtype=torch.long)
+            mask[0, 8 - i % 4:] = 0
+            got = g(input_ids=ids, attention_mask=mask).last_hidden_state
+            want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            torch.testing.assert_close(got, want)
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 and s["eager_reasons"].keys() <= {"warmup"}, s

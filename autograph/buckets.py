@@ -296,5 +296,7 @@ class Bucketer:
         if problem is None:
             learned.verified.add(size)
             return True
+        if problem is padcheck.UNCHECKED:  # checked again at the bucket's next call
+            return False
         self._turn_off(learned, f"padding changes results ({problem})")
         return False

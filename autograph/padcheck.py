@@ -36,22 +36,31 @@ from .padding import (
 Call = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
+# what :func:`problem` returns when the call raises as it is (a malformed request): the
+# bucket stays unchecked, and the call runs (and raises) unpadded as in eager mode
+UNCHECKED = "the call raised as it is"
+
+
 def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
             size: int, written: set[Key], names: Arguments, fills: list[Any],
             regions: dict[Key, Region]) -> str | None:
-    """What padding this call up to ``size`` changes, or None when nothing does."""
+    """What padding this call up to ``size`` changes, None when nothing does, or
+    :data:`UNCHECKED` when the call raises without padding too."""
     real = size_of(batch[0][1], batch[0][2])
     plain_args, plain_kwargs = copies(args, kwargs)
     pad_args, pad_kwargs = copies(args, kwargs)
     _poison(written, names, plain_args, plain_kwargs, pad_args, pad_kwargs)
     pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
     padded = padded_call(pad_args, pad_kwargs, pad_batch, size, fills)
-    try:
-        with torch.no_grad():
+    with torch.no_grad():
+        try:
             expect = eager(plain_args, plain_kwargs)
+        except Exception:  # noqa: BLE001 - a bad call, not a verdict on padding
+            return UNCHECKED
+        try:
             got = slice_back(eager(*padded), size, real, out_dim(batch))
-    except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
-        return f"the padded call raised {type(exc).__name__}"
+        except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
+            return f"the padded call raised {type(exc).__name__}"
     return compare(expect, got) or compare_writes(
         *_after(names, plain_args, plain_kwargs, pad_args, pad_kwargs, padded, batch, real),
         regions)

@@ -196,3 +196,23 @@ def test_switching_to_training_stops_padding_that_would_touch_running_statistics
     s = autograph.stats(g)
     assert s["calls"] == s["replays"] + s["captures"] + s["eager"]
     assert s["invalidations"] == 0 and s["replays"] > 0  # train/eval keep their graphs
+
+
+def test_a_malformed_request_raises_and_leaves_padding_on():
+    """A call that raises in eager mode too (a wrong feature size), made when a bucket
+    is first padded: it raises as eagerly, and the bucket is checked at its next call
+    rather than padding being switched off for good."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    g = autograph.graphed(m, buckets=[4, 8])
+    with torch.no_grad():
+        for _ in range(4):
+            g(torch.randn(4, 8))
+        with pytest.raises(RuntimeError):
+            g(torch.randn(3, 7))
+        for n in [1, 2, 3, 5, 6, 7] * 2:
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(g(x), m(x))
+    s = autograph.stats(g)
+    assert s["padding"] is None and s["graphs"] == 2, s
+    assert s["buckets"][8]["hits"] >= 4, s

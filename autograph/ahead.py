@@ -23,6 +23,7 @@ from . import plan as _plan
 from .buckets import Bucketer
 from .dispatch import Engine
 from .engines import Handle
+from .padding import empty_in_layout
 from .vocab import EagerReason
 
 logger = logging.getLogger("autograph")
@@ -97,10 +98,16 @@ def _resized(bucketer: Bucketer | None, args: tuple[Any, ...], kwargs: dict[str,
             f"autograph.warmup: the example's batch arguments disagree on the batch size "
             f"({sizes}); give the others batch_dims=None"
         )
+    if 0 in sizes.values():
+        raise ValueError("autograph.warmup: the example's batch arguments have no rows; "
+                         "give an example with at least one row")
     new_args, new_kwargs = list(args), dict(kwargs)
     for key, t, dim in batch:
         rows = torch.arange(size, device=t.device) % t.shape[dim]
-        value = t.index_select(dim, rows)
+        shape = list(t.shape)
+        shape[dim] = size
+        value = empty_in_layout(t, shape)  # the example's memory format, as padding keeps
+        torch.index_select(t, dim, rows, out=value)
         if isinstance(key, int):
             new_args[key] = value
         else:

@@ -154,3 +154,30 @@ def test_corrupt_plans_raise_value_errors(tmp_path):
     g = autograph.graphed(mlp())
     with pytest.raises(ValueError, match="corrupt or truncated"):
         autograph.warmup(g, plan=path)
+
+
+def test_resized_examples_keep_their_memory_format():
+    """``warmup(batch_sizes=...)`` resizes the example in its own layout: channels-last
+    traffic afterwards replays the graphs warmed up, capturing nothing new."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                      nn.Flatten()).eval()
+    m = m.to(memory_format=torch.channels_last)
+    g = autograph.graphed(m, buckets=[2, 4, 8])
+    example = torch.randn(3, 3, 8, 8).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        autograph.warmup(g, example)  # every bucket, from a 3-row example
+        before = autograph.stats(g)
+        assert before["captures"] == 3
+        for n in (1, 3, 5, 8, 2, 4):
+            x = torch.randn(n, 3, 8, 8).to(memory_format=torch.channels_last)
+            torch.testing.assert_close(g(x), m(x))
+    after = autograph.stats(g)
+    assert after["captures"] == 3, after
+    assert after["replays"] - before["replays"] >= 5, after  # all but a learning call
+
+
+def test_an_example_without_rows_is_a_clear_error():
+    g = autograph.graphed(nn.Linear(4, 4), buckets=[2, 4])
+    with pytest.raises(ValueError, match="at least one row"):
+        autograph.warmup(g, torch.randn(0, 4), batch_sizes=[2, 4])

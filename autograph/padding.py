@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -78,12 +79,8 @@ def shares_memory(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch) -
     tensors = [x for x in slots if isinstance(x, torch.Tensor) and x.numel()]
     if len(tensors) < 2:
         return False
-    ptrs = [t.untyped_storage().data_ptr() for t in tensors]
-    counts: dict[int, int] = {}
-    for ptr in ptrs:
-        counts[ptr] = counts.get(ptr, 0) + 1
-    return any(counts.get(t.untyped_storage().data_ptr(), 0) > 1
-               for _, t, _ in batch if t.numel())
+    counts = Counter(t.untyped_storage().data_ptr() for t in tensors)
+    return any(counts[t.untyped_storage().data_ptr()] > 1 for _, t, _ in batch if t.numel())
 
 
 def rows_of(batch: list[tuple[str | int, torch.Tensor, int]]) -> int:

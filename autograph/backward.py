@@ -95,7 +95,7 @@ class Trained(replay.Captured):
     __slots__ = ("watch", "stats", "spec", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
-                 "spare", "spare_due", "single", "recompute", "unsupported")
+                 "spare", "spare_due", "single", "recompute", "unsupported", "reached")
 
     def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -144,6 +144,8 @@ class Trained(replay.Captured):
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
         # why every later call runs eagerly (recompute.DIFFERENTIATED), once it does
         self.unsupported: tuple[EagerReason, str] | None = None
+        # per differentiable output, the targets it reaches (gradgraph.reach), once needed
+        self.reached: list[frozenset[int]] | None = None
 
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
@@ -267,6 +269,18 @@ class Trained(replay.Captured):
         the spare's while an earlier call's gradients are held, else (no graph
         captured yet) those of the captured autograd graph, run eagerly."""
         wanted = [grads[k] for k in self.diff]
+        unreached: set[int] = set()
+        if any(g is None for g in wanted):  # outputs the loss does not use
+            if self.reached is None:
+                self.reached = gradgraph.reach(self.static_diff, self.targets)
+            wanted, unreached = gradgraph.without_gradient(wanted, self.static_diff,
+                                                           self.reached, len(self.targets))
+        out = self._backward(call, wanted)
+        for i in unreached:  # as in eager mode: no gradient, not a zero one
+            out[i] = None
+        return out
+
+    def _backward(self, call: _Call, wanted: list[torch.Tensor]) -> list[torch.Tensor | None]:
         with self.pool.lock:
             self._own(call)
             graph = self.backward_graph
@@ -292,6 +306,7 @@ class _Replay(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         token = _TOKEN.detach()  # alive while this call's backward may still run
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
+        ctx.set_materialize_grads(False)  # unused outputs: None, not zeros
         ctx.graph = graph
         ctx.call = call
         ctx.leaves = leaves  # for gradients differentiated again (recompute.py)

@@ -21,7 +21,7 @@ captured into the forward's pool.  It gives autograd its gradients in one of two
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -104,6 +104,52 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
     run: Callable[[], Any] = backward
     graph, got = backend.capture(device, run)
     return GradGraph(graph, grad_in, list(got), lent[0])
+
+
+def nodes(outs: list[torch.Tensor]) -> Iterator[Any]:
+    """Each node of the autograd graph behind ``outs``, once.  The nodes visited are
+    kept alive until the walk ends: node objects are made on access, and a freed one's
+    id may be reused by the next, which would then be skipped."""
+    seen: dict[int, Any] = {}
+    stack = [t.grad_fn for t in outs]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        yield node
+        stack.extend(nxt for nxt, _ in node.next_functions)
+
+
+def reach(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[frozenset[int]]:
+    """Per output, the indexes of the targets its autograd graph reaches (through the
+    targets' ``AccumulateGrad`` nodes, or the output being a target itself)."""
+    index = {id(t): i for i, t in enumerate(targets)}
+    found: list[frozenset[int]] = []
+    for out in outs:
+        hit = {index[id(out)]} if out.grad_fn is None and id(out) in index else set()
+        for node in nodes([out]):
+            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
+            if variable is not None and id(variable) in index:
+                hit.add(index[id(variable)])
+        found.append(frozenset(hit))
+    return found
+
+
+def without_gradient(wanted: list[Any], outs: list[torch.Tensor],
+                     reached: list[frozenset[int]], n_targets: int
+                     ) -> tuple[list[torch.Tensor], set[int]]:
+    """For a backward in which some outputs got no gradient (the loss does not use
+    them; autograd passes None): zeros in their place, and the targets that only those
+    outputs reach, whose gradients stay None as they do in eager mode."""
+    used: set[int] = set()
+    for k, grad in enumerate(wanted):
+        if grad is not None:
+            used |= reached[k]
+    filled = [torch.zeros_like(out) if grad is None else grad
+              for grad, out in zip(wanted, outs)]
+    return filled, set(range(n_targets)) - used
+
 
 
 def capture_next(trained: Any) -> None:

@@ -57,9 +57,11 @@ def gradients(graph: Trained, leaves: list[Any], grads: tuple[Any, ...]
             d[name] = t
     flat = pytree.tree_leaves(out)
     pooled = [flat[j] for j in graph.pool_idx]
-    outs = [pooled[k] for k in graph.diff]
-    wanted = [grads[k] for k in graph.diff]
+    pairs = [(pooled[k], grads[k]) for k in graph.diff if grads[k] is not None]
     inputs = [leaves[i] for i in graph.sources] + graph.inputs_state
+    if not pairs:
+        return [None] * len(inputs)
+    outs, wanted = zip(*pairs)  # outputs the loss does not use give no gradient
     return list(torch.autograd.grad(outs, inputs, wanted, create_graph=True,
                                     allow_unused=True))
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import lifecycle, replay
+from . import gradgraph, lifecycle, replay
 from .backward import Trained, _OnPool
 from .capture import Backend
 from .flat import Flat
@@ -224,14 +224,8 @@ def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: 
     """``spill`` and the tensors that custom ``autograd.Function`` nodes of the captured
     graph keep as ``ctx`` attributes (no saved-tensor hook sees those), or None if such
     a node keeps something whose tensors cannot be known (then nothing is spilled)."""
-    stack = [t.grad_fn for t in outs]
-    seen: set[int] = set()
     extra = {id(t): t for t in spill}
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in gradgraph.nodes(outs):
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             for leaf in pytree.tree_leaves(vars(node)):
                 if isinstance(leaf, torch.Tensor):
@@ -241,7 +235,6 @@ def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: 
                         extra.setdefault(id(leaf), leaf.detach())
                 elif not isinstance(leaf, _PLAIN):
                     return None
-        stack.extend(n for n, _ in node.next_functions)
     return list(extra.values())
 
 
@@ -250,13 +243,7 @@ def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) 
     grad and is no argument or parameter, or one computed with autograd before the
     call): gradients would not reach it.  None if it does not."""
     allowed = {id(t) for t in targets}
-    stack = [t.grad_fn for t in outs]
-    seen: dict[int, Any] = {}  # visited nodes kept alive: their ids are not reused
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
+    for node in gradgraph.nodes(outs):
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
             if id(var) not in allowed:
@@ -265,5 +252,4 @@ def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) 
             continue
         if node._sequence_nr() < start:
             return "the forward reads a tensor computed with autograd before the call"
-        stack.extend(n for n, _ in node.next_functions)
     return None

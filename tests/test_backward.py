@@ -806,3 +806,42 @@ def test_a_forward_reading_a_tensor_that_requires_grad_from_outside_runs_eagerly
     s = autograph.stats(g)
     assert s["eager_reasons"].get("backward_unsupported", 0) >= 2, s
     assert "no argument" in str(s["eager_details"]), s
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h), self.b(h)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_parameters_only_unused_outputs_reach_get_no_gradient(create_graph):
+    """A loss that uses one of two outputs: the other head's parameters keep ``.grad``
+    None as in eager mode (so AdamW leaves them alone), not a zero gradient."""
+    m = TwoHeads()
+    g = autograph.graphed(copy.deepcopy(m))
+    opts = [torch.optim.AdamW(x.parameters(), lr=0.01, weight_decay=0.1) for x in (m, g)]
+    for step in range(8):
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        for model, opt in zip((m, g), opts):
+            opt.zero_grad(set_to_none=True)
+            a, b = model(x)
+            loss = nn.functional.mse_loss(a if step % 2 else b, y)
+            if create_graph:  # a gradient penalty: the backward is differentiated again
+                (grad,) = torch.autograd.grad(loss, model.body.weight, create_graph=True)
+                loss = loss + grad.pow(2).sum()
+            loss.backward()
+            opt.step()
+        for p, q in zip(m.parameters(), g.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            torch.testing.assert_close(q, p)
+    s = autograph.stats(g)
+    if create_graph:  # recomputed once (with a None gradient), then eager by design
+        assert s["captures"] >= 1 and "backward_unsupported" in s["eager_reasons"], s
+    else:
+        assert s["replays"] >= 3 and s["backward_replays"] >= 3, s

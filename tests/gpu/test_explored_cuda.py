@@ -18,6 +18,7 @@ from torch import nn
 
 import autograph
 
+from ..test_backward import check_unused_outputs_give_no_gradient
 from ..test_guards import check_global_named_like_an_attribute
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import counts
@@ -716,6 +717,11 @@ def test_tied_parameter_gradient_once_and_unused_head_none():
             assert close(q, p, 1e-4)
     s = counts(g)
     assert s["replays"] >= 4 and s["backward_replays"] >= 3, s
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_unused_outputs_give_no_gradient(create_graph):
+    check_unused_outputs_give_no_gradient(create_graph, dev)
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

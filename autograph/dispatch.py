@@ -42,6 +42,7 @@ _HELD = replay.HELD
 _functorch_active: Callable[[], bool] = getattr(
     torch._C, "_are_functorch_transforms_active", lambda: False)
 IN_TRANSFORM = "called inside a torch.func transform (vmap, grad, jacrev, functionalize)"
+INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.inference_mode)"
 
 # When a callable stops trying: this many new keys in a row without a replay (keys that
 # never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.
@@ -186,8 +187,11 @@ class Engine:
             raise Uncapturable(EagerReason.CAPTURING)
         if watch.hook_reason and watch.hooks():
             raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
-        if key.modes[0] and not self.trains and self._autograd_records(flat):
-            raise Uncapturable(EagerReason.AUTOGRAD)
+        if key.modes[0] and self._autograd_records(flat):
+            if not self.trains:
+                raise Uncapturable(EagerReason.AUTOGRAD)
+            if flat.inference():  # eager mode raises when autograd saves one
+                raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, INFERENCE_ARGUMENT)
         if self.cache.inplace or self.cache.pinning:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]

@@ -51,6 +51,11 @@ class Flat:
         leaves = self.leaves
         return any(leaves[i].requires_grad for i in self.tensor_pos)
 
+    def inference(self) -> bool:
+        """Whether a tensor argument is an inference tensor."""
+        leaves = self.leaves
+        return any(leaves[i].is_inference() for i in self.tensor_pos)
+
     def object_storages(self) -> set[int]:
         """Storage addresses of the tensors inside object arguments (keyed by address:
         a graph may read them without a guard of its own)."""

@@ -850,3 +850,27 @@ def check_unused_outputs_give_no_gradient(create_graph, device="cpu"):
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_parameters_only_unused_outputs_reach_get_no_gradient(create_graph):
     check_unused_outputs_give_no_gradient(create_graph)
+
+
+def check_inference_tensor_argument_raises_as_eager(device="cpu"):
+    """An inference tensor passed while autograd records: eager mode raises (autograd
+    cannot save it), and so does the graphed call, even for a key already captured
+    (shared with tests/gpu)."""
+    m = nn.Linear(4, 4).to(device)
+    g = autograph.graphed(m)
+    for _ in range(4):
+        g(torch.randn(2, 4, device=device)).sum().backward()
+    with torch.inference_mode():
+        x = torch.randn(2, 4, device=device)
+    with pytest.raises(RuntimeError, match="Inference tensors"):
+        m(x)
+    with pytest.raises(RuntimeError, match="Inference tensors"):
+        g(x)
+    with torch.no_grad():  # without autograd both run
+        torch.testing.assert_close(g(x), m(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 1 and s["eager_reasons"].get("backward_unsupported") == 1, s
+
+
+def test_an_inference_tensor_argument_raises_as_in_eager_mode():
+    check_inference_tensor_argument_raises_as_eager()

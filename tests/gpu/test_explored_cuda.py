@@ -18,7 +18,10 @@ from torch import nn
 
 import autograph
 
-from ..test_backward import check_unused_outputs_give_no_gradient
+from ..test_backward import (
+    check_inference_tensor_argument_raises_as_eager,
+    check_unused_outputs_give_no_gradient,
+)
 from ..test_guards import check_global_named_like_an_attribute
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import counts
@@ -722,6 +725,10 @@ def test_tied_parameter_gradient_once_and_unused_head_none():
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_unused_outputs_give_no_gradient(create_graph):
     check_unused_outputs_give_no_gradient(create_graph, dev)
+
+
+def test_inference_tensor_argument_raises_as_eager():
+    check_inference_tensor_argument_raises_as_eager(dev)
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .mutation import storage_ptr
+from .sharing import Shared, is_clone
 from .vocab import EagerReason, Uncapturable
 
 # non-tensor outputs that a replay may hand back as they were at capture
@@ -138,7 +139,7 @@ def output_builder(
       its own, so that the caller holding it shows in its storage's use count).
       Outputs that share a storage (the same tensor twice, a tensor and views of it)
       are cloned together and handed out as the same views of one copy, as eager
-      returns them (:class:`_Shared`; not with ``aliases=False``).
+      returns them (:class:`sharing.Shared`; not with ``aliases=False``).
 
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
@@ -159,13 +160,13 @@ def output_builder(
             makers.append(_argument_object(objects[id(value)]))
             continue
         makers.append(_leaf_maker(value, arg_storage, persistent, reuse))
-    pool_outputs = [v for v, make in zip(flat, makers) if _is_clone(make)]
-    shared = _Shared.find(flat, makers) if aliases and not reuse else []
+    pool_outputs = [v for v, make in zip(flat, makers) if is_clone(make)]
+    shared = Shared.find(flat, makers) if aliases and not reuse else []
     for group in shared:
         for k in group.members:
             makers[k] = _filled_by_group
 
-    if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and _is_clone(makers[0]):
+    if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]):
         out0 = flat[0]
         hand_out = out0.detach if reuse else out0.clone
 
@@ -251,10 +252,6 @@ def _argument_object(i: int) -> Callable[[list[Any]], Any]:
     return lambda leaves: leaves[i]
 
 
-def _is_clone(maker: Callable[..., Any]) -> bool:
-    return getattr(maker, "_clone", False)
-
-
 def _leaf_maker(
     value: Any, arg_storage: dict[int, tuple[int, torch.Tensor]], persistent: set[int],
     reuse: bool = False,
@@ -272,6 +269,8 @@ def _leaf_maker(
     ptr = storage_ptr(value)
     if ptr in arg_storage:
         i, base = arg_storage[ptr]
+        if value.dtype != base.dtype:  # the argument's bytes read as another dtype
+            return _dtype_view(value, i, base)
         offset = value.storage_offset() - base.storage_offset()
         size, stride = value.shape, value.stride()
         whole = size == base.shape and stride == base.stride() and offset == 0
@@ -297,47 +296,28 @@ def _leaf_maker(
     return clone
 
 
+def _dtype_view(value: torch.Tensor, i: int, base: torch.Tensor
+                ) -> Callable[[list[Any]], torch.Tensor]:
+    """An output that views argument ``i`` as another dtype (``x.view(torch.int32)``,
+    ``torch.view_as_real``): the same view of the call's argument, at the same byte
+    offset, or Uncapturable where the argument cannot be viewed so."""
+    dtype, size, stride = value.dtype, value.shape, value.stride()
+    try:
+        typed = base.view(dtype)
+    except RuntimeError:
+        raise Uncapturable(EagerReason.OUTPUT, "an output views an argument as another "
+                           "dtype in a way that cannot be rebuilt") from None
+    offset = value.storage_offset() - typed.storage_offset()  # in elements of dtype
+
+    def view(leaves: list[Any]) -> torch.Tensor:
+        arg = leaves[i].view(dtype)
+        return arg.as_strided(size, stride, arg.storage_offset() + offset)
+
+    return view
+
+
 def _filled_by_group(_leaves: list[Any]) -> None:
     return None
-
-
-class _Shared:
-    """Pool outputs that share one storage, cloned together on every call: one copy of
-    the span of the storage they cover, and each output that view of it (the same
-    tensor object for an output that was the same object), so that writing through
-    one shows in the others as in eager mode."""
-
-    __slots__ = ("span", "members", "views", "first")
-
-    def __init__(self, values: list[torch.Tensor], members: list[int]) -> None:
-        lo = min(values[k].storage_offset() for k in members)
-        hi = max(values[k].storage_offset() + _extent(values[k]) for k in members)
-        first = values[members[0]]
-        self.span = first.as_strided((hi - lo,), (1,), lo)  # pool memory, read per call
-        self.members = members
-        self.views = [(k, values[k].shape, values[k].stride(), values[k].storage_offset() - lo)
-                      for k in members]
-        ids: dict[int, int] = {}  # the first member that is the same object as member k
-        self.first = [ids.setdefault(id(values[k]), k) for k in members]
-
-    @staticmethod
-    def find(values: list[Any], makers: list[Callable[..., Any]]) -> list[_Shared]:
-        by_storage: dict[int, list[int]] = {}
-        for k, (v, make) in enumerate(zip(values, makers)):
-            if _is_clone(make) and v.numel():
-                by_storage.setdefault(storage_ptr(v), []).append(k)
-        return [_Shared(values, ks) for ks in by_storage.values()
-                if len(ks) > 1 and len({values[k].dtype for k in ks}) == 1]
-
-    def fill(self, made: list[Any]) -> None:
-        copy = self.span.clone()
-        for (k, size, stride, offset), first in zip(self.views, self.first):
-            made[k] = made[first] if first != k else copy.as_strided(size, stride, offset)
-
-
-def _extent(t: torch.Tensor) -> int:
-    """Elements of storage ``t`` spans from its offset (1 + the last element's index)."""
-    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def _same_geometry(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -254,12 +254,24 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise WritesFound(written)
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
     build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse, aliases)
+    _try_build(build, leaves)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
     captured = Captured(graph, static, build, backend, device, recorder.seeded,
                         list(recorder.hidden.values()), state_written, inplace, reuse)
     captured.footprint = needs
     captured.effects = effects
     return captured
+
+
+def _try_build(build: Callable[[list[Any]], Any], leaves: list[Any]) -> None:
+    """Build the outputs once before the first replay: a build that fails after a
+    replay could only run the call eagerly again, writing its arguments and buffers a
+    second time."""
+    try:
+        build(leaves)
+    except Exception as exc:  # noqa: BLE001 - any failure: the call runs eagerly
+        raise Uncapturable(EagerReason.OUTPUT, f"its outputs cannot be rebuilt: "
+                           f"{_first_line(exc)}") from exc
 
 
 def hand_back(captured: Captured, leaves: list[Any], missed: list[int]) -> None:

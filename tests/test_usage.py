@@ -288,6 +288,67 @@ def test_outputs_sharing_a_storage_under_autograd_are_right():
     assert s["backward_replays"] + s["backward_eager"] > 0, s
 
 
+def _as_int(x):
+    return x.view(torch.int32)
+
+
+def _bytes_of_slice(x):
+    return x[1:].view(torch.uint8)
+
+
+def _shared_dtypes(x):
+    y = x * 2
+    return y[1:], y.view(torch.uint8)[3:9], y.view(torch.int32)
+
+
+def check_outputs_viewing_bytes_as_another_dtype(device="cpu"):
+    """Outputs that read an argument's or another output's bytes as another dtype
+    (``x.view(torch.int32)``, ``torch.view_as_real``): eager's dtype, values and
+    sharing, on replays too (shared with tests/gpu)."""
+    for f, dtype in ((_as_int, torch.float32), (_bytes_of_slice, torch.float32),
+                     (torch.view_as_real, torch.complex64), (_shared_dtypes, torch.float32)):
+        g = autograph.graphed(f)
+        with torch.no_grad():
+            for _ in range(CALLS):
+                x = torch.randn(4, dtype=dtype, device=device)
+                got, expect = g(x), f(x)
+                got = got if isinstance(got, tuple) else (got,)
+                expect = expect if isinstance(expect, tuple) else (expect,)
+                for a, b in zip(got, expect):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+                got[0].add_(1)  # a write through one shows in the others, as in eager
+                expect[0].add_(1)
+                for a, b in zip(got, expect):
+                    assert torch.equal(a, b), f
+        replayed(g)
+
+
+def test_outputs_viewing_bytes_as_another_dtype():
+    check_outputs_viewing_bytes_as_another_dtype()
+
+
+def check_output_building_failure_writes_once(device="cpu"):
+    """A call that writes an argument and returns its input's bytes: the output is
+    rebuilt as eager's (it once failed after the replay, and the eager run that
+    followed wrote the argument a second time; shared with tests/gpu)."""
+    def f(x, counter):
+        counter.add_(1)
+        return x.view(torch.uint8)
+
+    g = autograph.graphed(f)
+    counter, expect = torch.zeros(1, device=device), torch.zeros(1, device=device)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(3, device=device)
+            assert torch.equal(g(x, counter), f(x, expect))
+            torch.testing.assert_close(counter, expect)
+    replayed(g)
+
+
+def test_a_call_writing_an_argument_and_returning_its_bytes_writes_once():
+    check_output_building_failure_writes_once()
+
+
 # 3. Exceptions ----------------------------------------------------------------------
 
 

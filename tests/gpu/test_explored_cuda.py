@@ -24,7 +24,11 @@ from ..test_backward import (
 )
 from ..test_guards import check_global_named_like_an_attribute
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
-from ..test_usage import counts
+from ..test_usage import (
+    check_output_building_failure_writes_once,
+    check_outputs_viewing_bytes_as_another_dtype,
+    counts,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -729,6 +733,14 @@ def test_unused_outputs_give_no_gradient(create_graph):
 
 def test_inference_tensor_argument_raises_as_eager():
     check_inference_tensor_argument_raises_as_eager(dev)
+
+
+def test_outputs_viewing_bytes_as_another_dtype():
+    check_outputs_viewing_bytes_as_another_dtype(dev)
+
+
+def test_a_call_writing_an_argument_and_returning_its_bytes_writes_once():
+    check_output_building_failure_writes_once(dev)
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

@@ -283,14 +283,18 @@ def warmup(
     warmup, so arguments the function writes in place are written).  With buckets, the
     example is captured at every bucket (or at ``batch_sizes``), largest first so that
     smaller graphs reuse the pool memory of larger ones: batch arguments are resized
-    by repeating their rows.  With ``plan`` (a file written by :func:`save_plan`), the
+    by repeating their rows; a size between buckets is served (and reported) by the next
+    bucket.  Without buckets, ``batch_sizes`` raises ``ValueError`` (nothing says which
+    arguments carry the batch).  With ``plan`` (a file written by :func:`save_plan`), the
     keys recorded for ``fn`` are captured first, most used first, but only if every
     environment and model fingerprint field matches; otherwise nothing is captured from
     the plan and the differing fields are logged.  Unreadable plans raise
     ``ValueError``.
 
-    Returns one dict per capture: ``what``, ``captured``, ``capture_seconds``,
-    ``graph_memory_bytes`` and, when not captured, ``reason``.
+    Returns one dict per capture: ``what``, with buckets ``bucket`` (the bucket whose
+    graph serves the call, None where it ran unpadded), ``captured``,
+    ``capture_seconds``, ``graph_memory_bytes`` and, when not captured, ``reason``
+    (``"already captured"`` where a graph from before serves it, or the eager reason).
     """
     from .ahead import warmup as _warmup
     from .lookup import handle_of

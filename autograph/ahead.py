@@ -24,6 +24,7 @@ from .buckets import Bucketer
 from .dispatch import Engine
 from .engines import Handle
 from .padding import empty_in_layout
+from .stats import Stats
 from .vocab import EagerReason
 
 logger = logging.getLogger("autograph")
@@ -34,13 +35,15 @@ def warmup(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handle: Handl
            plan: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
     """Capture ``fn`` for the example call, at each batch size, and from the plan."""
     engine = handle.engine
+    bucketer = handle.call if isinstance(handle.call, Bucketer) else None
+    if batch_sizes is not None:
+        _check_sizes(batch_sizes, bucketer, engine.stats.name)
     report: list[dict[str, Any]] = []
     if plan is not None:
         report += _from_plan(fn, args, engine, plan)
     sizes = batch_sizes if batch_sizes is not None else (engine.options.buckets or ())
-    if sizes:
-        bucketer = handle.call if isinstance(handle.call, Bucketer) else None
-        if bucketer is not None and bucketer.written is None:
+    if sizes and bucketer is not None:  # (sizes without buckets: refused above)
+        if bucketer.written is None:
             fn(*args, **kwargs)  # the first call learns which arguments carry the batch
         for size in sorted(set(sizes), reverse=True):
             call_args, call_kwargs = _resized(bucketer, args, kwargs, size)
@@ -50,47 +53,68 @@ def warmup(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], handle: Handl
     return report
 
 
+def _check_sizes(sizes: Sequence[int], bucketer: Bucketer | None, name: str) -> None:
+    """A clear ``ValueError`` for ``batch_sizes`` that cannot be warmed up, before any
+    call is made."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+        raise ValueError(f"autograph.warmup: batch_sizes must be a list of ints >= 1, "
+                         f"got {sizes!r}")
+    if bucketer is None and sizes:
+        raise ValueError(
+            f"autograph.warmup: batch_sizes={list(sizes)!r} needs a callable graphed with "
+            f"buckets= (they say which arguments carry the batch, and which graph serves "
+            f"each size); {name} has none, so it gets one graph per exact shape: warm it "
+            f"up with one example call of each batch size instead")
+
+
 def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, Any],
              label: str) -> dict[str, Any]:
-    """Call ``fn`` until this call's key is captured (or has run eagerly for good)."""
+    """Call ``fn`` until this call's key is captured, replays a graph captured before,
+    or has run eagerly for good; report what happened (and, with buckets, the bucket
+    whose graph serves the call: None where it ran unpadded)."""
     stats = engine.stats
     captures, seconds, memory = stats.captures, stats.capture_seconds, stats.graph_bytes
     calls = engine.options.warmup + 3  # warmups, the capture, and a first-call probe
-    reason = ""
+    reason, bucket = "", None
     for _ in range(calls):
-        eager = stats.eager
+        eager, replays, hits = stats.eager, stats.replays, _hits(stats)
         fn(*args, **kwargs)
+        bucket = next((size for size, n in _hits(stats).items() if n > hits.get(size, 0)),
+                      None)
         if stats.captures > captures:
             break
         last = stats.last_reason
         if stats.eager > eager and last is not None and last not in _WARMUP_REASONS:
             reason = last.value
             break
+        if stats.replays > replays:  # a graph captured before serves it: nothing to do
+            reason = "already captured"
+            break
     captured = stats.captures > captures
-    entry = {
-        "what": label,
-        "captured": captured,
-        "capture_seconds": stats.capture_seconds - seconds,
-        "graph_memory_bytes": stats.graph_bytes - memory,
-    }
+    entry: dict[str, Any] = {"what": label}
+    if engine.options.buckets:
+        entry["bucket"] = bucket
+    entry.update(captured=captured, capture_seconds=stats.capture_seconds - seconds,
+                 graph_memory_bytes=stats.graph_bytes - memory)
     if not captured:
         entry["reason"] = reason or "not captured"
     logger.debug("%s: warmup %s: %s", stats.name, label, entry)
     return entry
 
 
+def _hits(stats: Stats) -> dict[int, int]:
+    """Calls served so far by each bucket."""
+    return {size: b["hits"] for size, b in stats.buckets.items()}
+
+
 # eager runs that are part of getting a key captured, not a reason to give up on it
 _WARMUP_REASONS = {EagerReason.WARMUP, EagerReason.LEARNING, EagerReason.IN_PLACE}
 
 
-def _resized(bucketer: Bucketer | None, args: tuple[Any, ...], kwargs: dict[str, Any],
+def _resized(bucketer: Bucketer, args: tuple[Any, ...], kwargs: dict[str, Any],
              size: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example call with ``size`` rows in every batch argument (rows repeated)."""
-    if bucketer is None:
-        raise ValueError(
-            "autograph.warmup: batch_sizes needs a callable graphed with buckets= "
-            "(it says which arguments carry the batch)"
-        )
     batch = bucketer.batch_args(args, kwargs)
     sizes = {key: int(t.shape[dim]) for key, t, dim in batch}
     if len(set(sizes.values())) > 1:

@@ -64,6 +64,38 @@ def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
     return names[1:] if skip_self and names else names
 
 
+Misfit = Callable[[tuple[Any, ...], Mapping[str, Any]], str | None]
+
+
+def no_misfit(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """The check of a callable without a signature: every call may fit."""
+    return None
+
+
+def misfit_check(fn: Callable[..., Any], skip_self: bool) -> Misfit:
+    """A check of a call against ``fn``'s parameters: it returns why the arguments do not
+    bind (the ``TypeError`` message), or None where they do (or where ``fn`` has no
+    signature to check against)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return no_misfit
+    params = list(signature.parameters.values())
+    if skip_self and params and params[0].kind in (params[0].POSITIONAL_ONLY,
+                                                   params[0].POSITIONAL_OR_KEYWORD):
+        signature = signature.replace(parameters=params[1:])
+    bind = signature.bind
+
+    def misfit(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+        try:
+            bind(*args, **kwargs)
+        except TypeError as exc:
+            return str(exc)
+        return None
+
+    return misfit
+
+
 def check_argument_keys(options: Any, fn: Callable[..., Any], skip_self: bool) -> None:
     """Raise ``ValueError`` if a per-argument option names an argument that ``fn`` does
     not have (a name that is not one of its parameters, or a position past its

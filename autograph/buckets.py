@@ -221,7 +221,9 @@ class Bucketer:
         for t in self.engine.module_tensors():
             watched.setdefault(storage_ptr(t), []).append(state)
         recorder = WriteRecorder(watched)
-        if self.ranks is not None:  # through the engine, whose agreement the ranks join
+        # through the engine, whose agreement the ranks join, or which counts a call whose
+        # arguments do not fit (eager raises their TypeError) as no learning
+        if self.ranks is not None or self.engine.misfit(args, kwargs) is not None:
             with recorder:
                 out = self.engine.dispatch(args, kwargs)
         else:  # eagerly: a replay would hide its writes from the recorder

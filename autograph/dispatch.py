@@ -3,8 +3,8 @@
 A call is keyed (``keys.key_call``); its entry (``cache``) says what to do: replay a
 ready graph, warm up a new key, capture it (``lifecycle``), or run eagerly for the
 entry's reason (warming up and capturing are in ``recording``).  With ``group``, the
-ranks agree on that action first (``ranks``).
-The replay path is short on purpose: kill switch, key, entry, bound replay.
+ranks agree on that action first (``ranks``).  The replay path is short on purpose:
+kill switch, key, entry, bound replay.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 from . import lifecycle, recording, replay, verify
 from . import stats as _stats
 from . import switch as _switch
+from .arguments import Misfit, no_misfit
 from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
 from .flat import Flat
@@ -25,14 +26,13 @@ from .guards import Watch, running_stack
 from .keys import GraphKey, key_call
 from .memo import KeyMemo
 from .modes import modes
-from .options import Options
+from .options import Options, same_options
 from .ranks import Ranks
 from .stats import Stats
 from .verify import every_from_env
 from .vocab import Action, EagerReason, State, Uncapturable, logger
 
-_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled",
-                                         lambda: False)
+_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 _NO_RANGE = contextlib.nullcontext()
 record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
@@ -49,21 +49,22 @@ INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.infer
 GIVE_UP_FRESH_KEYS = 64
 
 
-
 class Engine:
     """Graphs of one callable (a function, or one module instance's forward).
 
     ``fn`` is called as ``fn(*args, **kwargs)``.  ``watch`` guards the Python state the
-    graphs bake in; ``training`` returns the module's training flag (or None).
-    """
+    graphs bake in; ``training`` returns the module's training flag (or None); ``misfit``
+    says why a call's arguments do not bind to its parameters, if they do not."""
 
     def __init__(self, fn: Callable[..., Any], options: Options, stats: Stats, watch: Watch,
-                 training: Callable[[], Any], names: list[str] | None = None) -> None:
+                 training: Callable[[], Any], names: list[str] | None = None,
+                 misfit: Misfit = no_misfit) -> None:
         self.fn = fn
         self.stats = stats
         self.watch = watch
         self.training = training
         self.names = names or []  # positional parameter names, for per-argument options
+        self.misfit = misfit
         self.options = options
         self.cache = GraphCache(options, stats)
         self.ranks: Ranks | None = None
@@ -75,7 +76,7 @@ class Engine:
 
     def set_options(self, options: Options) -> None:
         """Use these options from the next call on (a region passes its own)."""
-        if options is self.options or _same_options(options, self.options):
+        if options is self.options or same_options(options, self.options):
             return  # a new region per step passes equal options: keep what was learned
         if options.outputs != self.options.outputs:
             self.reset()  # the graphs hand out their outputs the other way
@@ -113,14 +114,17 @@ class Engine:
                 return self.eager(args, kwargs)
         try:
             key, flat, backend, device = self._key(args, kwargs)
+            entry = self.cache.entries.get(key)
+            if entry is None:
+                entry = self._new_entry(key, args, kwargs)
         except Uncapturable as exc:
             if self.ranks is not None and not _is_nested():
                 self.ranks.agree(Action.EAGER, 0, self.stats.name)
             self.stats.count_eager(exc.reason, exc.detail)
-            return self.eager(args, kwargs)
-        entry = self.cache.entries.get(key)
-        if entry is None:
-            entry = self._new_entry(key)
+            out = self.eager(args, kwargs)  # a call that does not fit raises its TypeError
+            if exc.reason is EagerReason.BAD_ARGUMENTS:  # it ran (a pre-hook, a replaced
+                self.misfit = no_misfit  # forward): the signature cannot judge calls
+            return out
         run = entry.run
         if run is not None and self.ranks is None:
             return self.replay_entry(entry, run, flat)
@@ -203,7 +207,10 @@ class Engine:
     def _autograd_records(self, flat: Flat) -> bool:
         return flat.requires_grad() or self.watch.requires_grad()
 
-    def _new_entry(self, key: GraphKey) -> Entry:
+    def _new_entry(self, key: GraphKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Entry:
+        misfit = self.misfit(args, kwargs)  # arguments that do not bind: eager raises
+        if misfit is not None:  # their TypeError, with no warmup counted and no entry made
+            raise Uncapturable(EagerReason.BAD_ARGUMENTS, misfit)
         self._fresh += 1
         if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
             self.give_up_all(f"{self._fresh} new keys in a row without a replay")
@@ -345,9 +352,3 @@ def _find_backend(device: torch.device) -> tuple[Any, Backend, Callable[[], bool
         raise Uncapturable(EagerReason.DEVICE, f"inputs on {device.type}")
     return device, backend, backend.capturing(device)
 
-
-def _same_options(a: Options, b: Options) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - e.g. a tensor as a pad value: compare as different
-        return False

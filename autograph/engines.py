@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from .arguments import check_argument_keys, positional_names
+from .arguments import check_argument_keys, misfit_check, no_misfit, positional_names
 from .buckets import Bucketer
 from .dispatch import Engine
 from .guards import Watch
@@ -63,8 +63,9 @@ def make_engine(fn: Callable[..., Any], options: Options, name: str,
         check_argument_keys(options, code, skip_self=method)
     stats = register_stats(name)
     names = positional_names(code, skip_self=method) if code is not None else []
+    misfit = misfit_check(code, skip_self=method) if code is not None else no_misfit
     watch = Watch(roots, code, hooks_of_roots)
-    engine = Engine(fn, options, stats, watch, watch.training, names)
+    engine = Engine(fn, options, stats, watch, watch.training, names, misfit)
     handle = Handle(engine, code, method)
     _handles.add(handle)
     return handle

@@ -58,8 +58,9 @@ class _Dispatch:
         with self.lock:
             if self.handle is None:
                 name = getattr(self.fn, "__qualname__", repr(self.fn))
-                self.handle = make_engine(wrapped, self.options, name, list, self.fn,
-                                          False, method=False)
+                code, method = _code_of(self.fn)
+                self.handle = make_engine(wrapped, self.options, name, list, code,
+                                          False, method=method)
             return self.handle
 
     def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Handle]:
@@ -100,6 +101,17 @@ class _Dispatch:
     def engines(self) -> list[Engine]:
         out = [item[1].engine for item in list(self.instances.values())]
         return out + ([self.handle.engine] if self.handle is not None else [])
+
+
+def _code_of(fn: Any) -> tuple[Any, bool]:
+    """The function whose parameters a call made without an instance binds, and whether
+    the call leaves its first parameter out (a classmethod's ``cls``, which wrapt binds):
+    per-argument options are resolved against what follows it."""
+    if isinstance(fn, classmethod):
+        return fn.__func__, True
+    if isinstance(fn, staticmethod):
+        return fn.__func__, False
+    return fn, False
 
 
 def _bound_self(fn: Any) -> Any:

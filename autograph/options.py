@@ -149,3 +149,11 @@ def _region(arg: Any, where: Any) -> tuple[int, int | slice | tuple[int, ...]]:
         raise ValueError(f"autograph: {name}'s index must be an int, a slice or a non-empty "
                          f"list of ints, got {index!r}")
     return dim, index
+
+
+def same_options(a: Options, b: Options) -> bool:
+    """Whether two options are equal (a tensor pad value compares as different)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. a tensor as a pad value: compare as different
+        return False

@@ -63,6 +63,7 @@ class EagerReason(enum.Enum):
     OUTPUTS_HELD = "outputs_held"
     BACKWARD_UNSUPPORTED = "backward_unsupported"
     BACKWARD_PENDING = "backward_pending"
+    BAD_ARGUMENTS = "bad_arguments"
 
     @property
     def message(self) -> str:
@@ -108,11 +109,14 @@ _MESSAGES = {
                                       "graph cannot replay",
     EagerReason.BACKWARD_PENDING: "an earlier call's backward has not run yet and what "
                                   "it saved cannot be spilled: a replay would overwrite it",
+    EagerReason.BAD_ARGUMENTS: "the arguments do not fit the parameters: the call raised "
+                               "TypeError, as in eager mode",
 }
 
-# Reasons that are steps on the way to a graph, not problems: never logged as warnings.
+# Reasons that are steps on the way to a graph, not problems, or that the caller sees
+# anyway (the TypeError of a call whose arguments do not fit): never logged as warnings.
 QUIET = frozenset({EagerReason.WARMUP, EagerReason.LEARNING, EagerReason.IN_PLACE,
-                   EagerReason.DISABLED, EagerReason.OUTPUTS_HELD})
+                   EagerReason.DISABLED, EagerReason.OUTPUTS_HELD, EagerReason.BAD_ARGUMENTS})
 
 
 class Uncapturable(Exception):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import autograph
+from autograph.lookup import handle_of
 
 
 def test_host_sync_in_forward_falls_back_once(standin, caplog):
@@ -268,3 +269,51 @@ def test_calls_inside_torch_func_transforms_run_eagerly(standin, buckets):
     with torch.no_grad():
         torch.testing.assert_close(g(xs[0]), lin(xs[0]))
     assert autograph.stats(g)["replays"] > replays
+
+
+def _type_error(fn, *args, **kwargs):
+    with pytest.raises(TypeError) as info:
+        fn(*args, **kwargs)
+    return info.value
+
+
+@pytest.mark.parametrize("options", [{}, {"warmup": 0}, {"buckets": [2, 4]}])
+def test_a_call_whose_arguments_do_not_fit_raises_as_eager_and_counts_no_warmup(
+        standin, options):
+    """Missing or extra arguments: eager's TypeError, counted as ``bad_arguments``, with
+    no warmup counted and no entry left; calls that fit warm up and capture as ever."""
+    def mul(x, y):
+        return x * y
+
+    g = autograph.graphed(mul, **options)
+    lin = nn.Linear(2, 2)
+    wrapped = autograph.graphed(lin, **options)
+    x = torch.ones(3, 2)
+    with torch.no_grad():
+        for args, kwargs in [((x,), {}), ((x, x, x), {}), ((x,), {"z": x})] * 2:
+            got = _type_error(g, *args, **kwargs)
+            assert str(got) == str(_type_error(mul, *args, **kwargs))
+        assert str(_type_error(wrapped, x, x)) == str(_type_error(lin, x, x))
+        for f in (g, wrapped):
+            s = autograph.stats(f)
+            assert s["calls"] == s["eager"] == s["eager_reasons"]["bad_arguments"], s
+            assert handle_of(f).engine.cache.entries == {}
+        for _ in range(6):
+            torch.testing.assert_close(g(x, x), x * x)
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["replays"] >= 2, s
+    assert s["eager_reasons"].get("warmup", 0) == options.get("warmup", 2), s
+
+
+def test_a_forward_replaced_on_the_instance_still_graphs(standin):
+    """Calls that do not fit the class's forward but run (a forward assigned to the
+    instance takes them) stop being judged by that signature after the first."""
+    m = nn.Linear(2, 2)
+    m.forward = lambda x, scale: x * scale
+    g = autograph.graphed(m)
+    x = torch.ones(3, 2)
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(g(x, 2.0), x * 2)
+    s = autograph.stats(g)
+    assert s["eager_reasons"] == {"bad_arguments": 1, "warmup": 2} and s["replays"] == 2, s

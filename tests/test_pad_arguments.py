@@ -94,6 +94,30 @@ def test_modules_wrapped_and_in_regions(call, keys):
     check_padding(m, lambda g, *a, **k: CALLS[call](in_region, *a, **k))
 
 
+@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("keys", KEYS)
+@pytest.mark.parametrize("kind", ["classmethod", "staticmethod"])
+def test_class_and_static_methods_resolve_names_and_positions(call, keys, kind):
+    """A classmethod's per-argument options name the parameters after ``cls``, as a
+    method's do after ``self`` (by name they were once resolved against nothing)."""
+    pads, writes = KEYS[keys]
+    decorate = autograph.graphed(buckets=[4], warmup=0, pad_values=pads, pad_writes=writes)
+
+    class Server:
+        if kind == "classmethod":
+            @decorate
+            @classmethod
+            def step(cls, x, slots, cache):
+                return write_rows(x, slots, cache)
+        else:
+            @decorate
+            @staticmethod
+            def step(x, slots, cache):
+                return write_rows(x, slots, cache)
+
+    check_padding(Server.step, CALLS[call])
+
+
 def test_var_args_by_position_and_defaults_by_name():
     @autograph.graphed(buckets=[4], warmup=0, pad_values={1: DUMMY},
                        pad_writes={2: (0, DUMMY)})

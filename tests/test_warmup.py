@@ -57,9 +57,47 @@ def test_disagreeing_batch_arguments_are_a_clear_error():
 
 
 def test_batch_sizes_need_buckets():
+    """Without buckets nothing says which arguments carry the batch: a clear error,
+    before any call (not a report of sizes "not captured")."""
     g = autograph.graphed(mlp())
-    with pytest.raises(ValueError, match="buckets"):
-        autograph.warmup(g, torch.randn(2, 4), batch_sizes=[1, 2])
+    with pytest.raises(ValueError, match=r"batch_sizes=\[3\] needs .*buckets=.*Sequential.* "
+                                         r"has none.*one example call of each batch size"):
+        autograph.warmup(g, torch.randn(2, 4), batch_sizes=[3])
+    assert autograph.stats(g)["calls"] == 0
+    with pytest.raises(ValueError, match="ints >= 1"):
+        autograph.warmup(autograph.graphed(mlp(), buckets=[2]), torch.randn(2, 4),
+                         batch_sizes=[0])
+
+
+def test_a_batch_size_between_buckets_reports_the_bucket_that_serves_it():
+    @autograph.graphed(buckets=[2, 4, 8])
+    def f(x):
+        return x * 2
+
+    with torch.no_grad():
+        (entry,) = autograph.warmup(f, torch.randn(2, 4), batch_sizes=[3])
+        assert entry["what"] == "batch 3" and entry["bucket"] == 4 and entry["captured"]
+        calls = autograph.stats(f)["calls"]
+        # bucket 4 is captured already: one call (a replay) says so, for 3 and for 4
+        report = autograph.warmup(f, torch.randn(2, 4), batch_sizes=[3, 4, 16])
+    assert autograph.stats(f)["calls"] - calls == 3  # one each; 16 eagerly: a miss
+    assert [(r["what"], r["bucket"], r["captured"], r.get("reason")) for r in report] == [
+        ("batch 16", None, False, "bucket_miss"),
+        ("batch 4", 4, False, "already captured"),
+        ("batch 3", 4, False, "already captured"),
+    ]
+    assert autograph.stats(f)["captures"] == 1
+
+
+def test_an_example_captured_before_is_reported_as_such():
+    g = autograph.graphed(mlp())
+    with torch.no_grad():
+        assert autograph.warmup(g, torch.randn(3, 4))[0]["captured"]
+        (entry,) = autograph.warmup(g, torch.randn(3, 4))
+    assert not entry["captured"] and entry["reason"] == "already captured"
+    assert "bucket" not in entry
+    s = autograph.stats(g)
+    assert (s["calls"], s["captures"], s["replays"]) == (4, 1, 1)  # the second: one replay
 
 
 def test_a_call_that_cannot_be_graphed_is_reported():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -54,6 +55,42 @@ def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     return out
 
 
+def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the attributes of ``obj``, a plain object (not a module) whose method
+    ``fn`` is graphed, that the method may read: the modules, tensors and scalars held
+    in ``obj.__dict__`` under a name its code (or a method of ``obj``'s class it names)
+    uses; and the number of attributes (one added may shadow a class attribute)."""
+    d = getattr(obj, "__dict__", None)
+    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+    if not isinstance(d, dict) or code is None:
+        return []
+    names = _attribute_names(type(obj), code)
+    out = [(_global_getter(d, n), d[n]) for n in sorted(names) if _trackable(d.get(n))]
+    out.append((d.__len__, len(d)))
+    return out
+
+
+def _attribute_names(cls: type, code: types.CodeType) -> set[str]:
+    """The names ``code`` uses (``co_names``: attributes and globals), with those of the
+    nested code and of the methods and properties of ``cls`` it names, transitively."""
+    names: set[str] = set()
+    seen: set[types.CodeType] = set()
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        if code in seen:
+            continue
+        seen.add(code)
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for name in code.co_names:
+            attr = inspect.getattr_static(cls, name, None)
+            attr = getattr(attr, "fget", None) or getattr(attr, "__func__", attr)
+            if isinstance(getattr(attr, "__code__", None), types.CodeType):
+                stack.append(attr.__code__)
+    return names
+
+
 @functools.lru_cache(maxsize=1024)
 def _global_names(code: types.CodeType) -> frozenset[str]:
     """The global names ``code`` (and the code nested in it) loads.  Not ``co_names``:
@@ -87,3 +124,14 @@ def _cell_getter(cell: Any) -> Callable[[], Any]:
             return MISSING
 
     return get
+
+
+def changed_attribute(before: list[tuple[str, Any]], now: list[tuple[str, Any]] | None
+                      ) -> str | None:
+    """The attribute assigned between two views of an object's ``__dict__``, or None."""
+    if now is None or len(now) != len(before):
+        return "an attribute added or deleted"
+    for (name, then), (other, value) in zip(before, now):
+        if name != other or not same(value, then):
+            return other
+    return None

@@ -56,7 +56,8 @@ def _front(engine: Engine) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
 
 def make_engine(fn: Callable[..., Any], options: Options, name: str,
                 roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
-                hooks_of_roots: bool, method: bool) -> Handle:
+                hooks_of_roots: bool, method: bool,
+                owner: Callable[[], Any] | None = None) -> Handle:
     """A handle on a new engine for ``fn``, guarding the modules ``roots`` returns and
     what ``code`` names in its globals and closures."""
     if code is not None:
@@ -64,7 +65,7 @@ def make_engine(fn: Callable[..., Any], options: Options, name: str,
     stats = register_stats(name)
     names = positional_names(code, skip_self=method) if code is not None else []
     misfit = misfit_check(code, skip_self=method) if code is not None else no_misfit
-    watch = Watch(roots, code, hooks_of_roots)
+    watch = Watch(roots, code, hooks_of_roots, owner)
     engine = Engine(fn, options, stats, watch, watch.training, names, misfit)
     handle = Handle(engine, code, method)
     _handles.add(handle)

@@ -93,7 +93,8 @@ class _Dispatch:
         name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
         # a module's method: its forward, without the module's hooks; a plain object's:
         # its modules are called, hooks and all
-        handle = make_engine(call, self.options, name, roots, fn, not is_module, method=True)
+        handle = make_engine(call, self.options, name, roots, fn, not is_module, method=True,
+                             owner=None if is_module else ref)
         with self.lock:
             item = instances[key] = (ref, handle)
         return item

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from . import notify
-from .coderefs import code_refs, same
+from .coderefs import changed_attribute, code_refs, owner_refs, same
 from .steps import StepGuard
 
 _Module = nn.Module
@@ -59,8 +59,9 @@ class Watch:
     """Guards the Python-side state of one graphed callable."""
 
     def __init__(self, roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
-                 hooks_of_roots: bool) -> None:
+                 hooks_of_roots: bool, owner: Callable[[], Any] | None = None) -> None:
         self._roots = roots
+        self._owner = owner  # the plain object whose method ``code`` is, if any
         self._code = code
         self._hooks_of_roots = hooks_of_roots
         self.stale = True
@@ -72,12 +73,13 @@ class Watch:
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         self._own: set[int] = set()  # modules whose own hooks run outside the graphs
-        self._hooked: Any = None  # what hook_reason names: a module, or _GLOBAL
+        self._hooked: Any = None  # what hook_reason names: a module, or notify.GLOBAL
         self._holders: list[Any] = []
         self._names: list[Any] = []
         self._ptrs: list[int] = []
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
+        self._owned = 0
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
         self.steps = StepGuard()  # optimizers stepped inside graphs (steps.py)
@@ -92,6 +94,10 @@ class Watch:
         notify.install()
         self._unregister()
         refs = code_refs(self._code) if self._code is not None else []
+        self._owned = 0  # the last refs: the owner's attributes
+        if self._owner is not None and self._code is not None:
+            owned = owner_refs(self._owner(), self._code)
+            refs, self._owned = refs + owned, len(owned)
         roots = list(self._roots()) + [v for _, v in refs if isinstance(v, _Module)]
         modules: dict[int, nn.Module] = {}
         for root in roots:
@@ -111,7 +117,7 @@ class Watch:
         # a method's own module runs no hooks of its own (its forward is called, not
         # the module); every other module does, the ones the code names included
         self._own = set() if self._hooks_of_roots else {id(m) for m in self._roots()}
-        self.hook_reason, self._hooked = _hooks_reason(list(modules.values()), self._own)
+        self.hook_reason, self._hooked = notify.hooks_reason(list(modules.values()), self._own)
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None
@@ -154,10 +160,10 @@ class Watch:
         what it names still has hooks, the same; else (that hook was removed, or a hook
         was registered since) all modules are read again, so that a removed hook gives
         the graphs back."""
-        if self.hook_reason is not notify.RECHECK and _still_hooked(self._hooked):
+        if self.hook_reason is not notify.RECHECK and notify.still_hooked(self._hooked):
             return self.hook_reason
         modules = [m for m in (ref() for ref in self._modules) if m is not None]
-        self.hook_reason, self._hooked = _hooks_reason(modules, self._own)
+        self.hook_reason, self._hooked = notify.hooks_reason(modules, self._own)
         return self.hook_reason
 
     def _hidden_same(self) -> bool:
@@ -209,6 +215,21 @@ class Watch:
                 continue
             version = t._version if t.device != device else None
             self._hidden.append((ref, t.data_ptr(), version))
+
+    def owner_assigned(self, name: str) -> None:
+        """The call running assigned an attribute of the plain object (as the hook tells
+        of a module's): its key runs eagerly, and the values it left are the ones seen
+        (not a change between calls that would drop the graphs)."""
+        self.assigned = name
+        n = self._owned
+        if n:
+            self._refs[-n:] = [(get, get()) for get, _ in self._refs[-n:]]
+
+    def owner_items(self) -> list[tuple[str, Any]] | None:
+        """The attributes of the plain object whose method is graphed, or None."""
+        obj = self._owner() if self._owner is not None else None
+        d = getattr(obj, "__dict__", None)
+        return list(d.items()) if isinstance(d, dict) else None
 
     def roots(self) -> list[nn.Module]:
         """The callable's own modules (the wrapped module, or the method's instance)."""
@@ -291,45 +312,19 @@ def running_stack() -> list[Watch]:
 class running:
     """Marks ``watch`` as running its forward in this thread (for the assignment hook)."""
 
-    __slots__ = ("watch",)
+    __slots__ = ("watch", "before")
 
     def __init__(self, watch: Watch) -> None:
         self.watch = watch
+        self.before: list[tuple[str, Any]] | None = None
 
     def __enter__(self) -> None:
         running_stack().append(self.watch)
+        self.before = self.watch.owner_items()
 
     def __exit__(self, *exc: object) -> None:
         _local.running.pop()
-
-
-_GLOBAL = "global"
-
-
-def _hooks_reason(modules: list[nn.Module], skip: set[int]) -> tuple[str | None, Any]:
-    """Why module hooks forbid capture (a hook's Python side effects would not replay;
-    the hooks of the modules in ``skip`` run outside the graphs), and what has them: a
-    weak reference to the module, or _GLOBAL."""
-    if _global_hooks():
-        return "global module forward hooks are registered", _GLOBAL
-    for m in modules:
-        if id(m) in skip:
-            continue
-        if m._forward_hooks or m._forward_pre_hooks:
-            return f"{type(m).__name__} has forward hooks", weakref.ref(m)
-    return None, None
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as mm
-
-    return bool(getattr(mm, "_global_forward_hooks", None)
-                or getattr(mm, "_global_forward_pre_hooks", None))
-
-
-def _still_hooked(hooked: Any) -> bool:
-    """Whether what a hook reason named (see _hooks_reason) still has forward hooks."""
-    if hooked is _GLOBAL:
-        return _global_hooks()
-    m = hooked() if hooked is not None else None
-    return m is not None and bool(m._forward_hooks or m._forward_pre_hooks)
+        if self.before is not None:  # a plain object has no assignment hook: compare
+            name = changed_attribute(self.before, self.watch.owner_items())
+            if name is not None:
+                self.watch.owner_assigned(name)

@@ -149,3 +149,35 @@ def install() -> None:
                      "register_module_full_backward_pre_hook", "register_module_backward_hook"):
             _wrap_registration(mm, name, backward=True, on_module=False)
         _installed = True
+
+
+GLOBAL = "global"  # what a hook reason names when the hooks are global
+
+
+def hooks_reason(modules: list[nn.Module], skip: set[int]) -> tuple[str | None, Any]:
+    """Why module hooks forbid capture (a hook's Python side effects would not replay;
+    the hooks of the modules in ``skip`` run outside the graphs), and what has them: a
+    weak reference to the module, or GLOBAL."""
+    if _global_hooks():
+        return "global module forward hooks are registered", GLOBAL
+    for m in modules:
+        if id(m) in skip:
+            continue
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"{type(m).__name__} has forward hooks", weakref.ref(m)
+    return None, None
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as mm
+
+    return bool(getattr(mm, "_global_forward_hooks", None)
+                or getattr(mm, "_global_forward_pre_hooks", None))
+
+
+def still_hooked(hooked: Any) -> bool:
+    """Whether what a hook reason named (see hooks_reason) still has forward hooks."""
+    if hooked is GLOBAL:
+        return _global_hooks()
+    m = hooked() if hooked is not None else None
+    return m is not None and bool(m._forward_hooks or m._forward_pre_hooks)

@@ -457,3 +457,61 @@ def check_global_named_like_an_attribute(device="cpu"):
 
 def test_a_global_named_like_an_attribute_is_not_guarded(standin):
     check_global_named_like_an_attribute()
+
+
+class Sampler:
+    """A plain object (no module) with graphed methods that read its attributes."""
+
+    def __init__(self, model):
+        self.model, self.temperature, self.steps = model, 1.0, 0
+
+    @property
+    def scale(self):
+        return self.temperature * 2
+
+    @autograph.graphed
+    def probs(self, x):
+        return torch.softmax(self.model(x) / self.temperature, -1)
+
+    @autograph.graphed
+    def scaled(self, x):  # reads the attribute through a property
+        return self.model(x) * self.scale
+
+    @autograph.graphed
+    def counted(self, x):  # assigns an attribute: each call must run it
+        self.steps += 1
+        return self.model(x) * self.steps
+
+    def plain(self, x):
+        return self.model(x) - self.temperature
+
+
+def check_plain_object_method_reads_its_attributes(device="cpu"):
+    """A graphed method of a plain object: an attribute reassigned between calls (a
+    sampling temperature) selects new graphs, also when read through a property; a
+    method that assigns one runs eagerly (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    s = Sampler(nn.Linear(4, 5).to(device))
+    ref = Sampler(s.model)
+    bound = autograph.graphed(s.plain)
+    calls = [(s.probs, Sampler.probs.__wrapped__), (s.scaled, Sampler.scaled.__wrapped__),
+             (s.counted, Sampler.counted.__wrapped__), (bound, Sampler.plain)]
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():
+        for graphed, eager in calls:
+            for i in range(10):
+                if i == 6:
+                    s.temperature = ref.temperature = 0.1
+                torch.testing.assert_close(graphed(x), eager(ref, x))
+            s.temperature = ref.temperature = 1.0
+    assert s.steps == ref.steps == 10
+    for graphed, _ in calls:
+        st = autograph.stats(graphed)
+        if graphed == s.counted:
+            assert st["eager_reasons"].get("assigns_attribute"), st
+        else:
+            assert st["replays"] >= 2 and st["invalidations"] >= 1, st
+
+
+def test_a_plain_object_method_reads_its_attributes(standin):
+    check_plain_object_method_reads_its_attributes()

@@ -22,7 +22,10 @@ from ..test_backward import (
     check_inference_tensor_argument_raises_as_eager,
     check_unused_outputs_give_no_gradient,
 )
-from ..test_guards import check_global_named_like_an_attribute
+from ..test_guards import (
+    check_global_named_like_an_attribute,
+    check_plain_object_method_reads_its_attributes,
+)
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import (
     check_output_building_failure_writes_once,
@@ -741,6 +744,10 @@ def test_outputs_viewing_bytes_as_another_dtype():
 
 def test_a_call_writing_an_argument_and_returning_its_bytes_writes_once():
     check_output_building_failure_writes_once(dev)
+
+
+def test_plain_object_method_reads_its_attributes():
+    check_plain_object_method_reads_its_attributes(dev)
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

@@ -22,6 +22,7 @@ from ..test_backward import (
     check_inference_tensor_argument_raises_as_eager,
     check_unused_outputs_give_no_gradient,
 )
+from ..test_buckets import check_batch_size_output_keeps_eager_values
 from ..test_guards import check_global_named_like_an_attribute
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import counts
@@ -733,3 +734,7 @@ def test_inference_tensor_argument_raises_as_eager():
 
 def test_global_named_like_an_attribute_keeps_the_graphs():
     check_global_named_like_an_attribute(dev)
+
+
+def test_bucket_output_derived_from_the_batch_size_keeps_eager_values():
+    check_batch_size_output_keeps_eager_values(dev)

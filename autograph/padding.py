@@ -10,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture import backend_for
+from .flat import size_leaf
 from .verify import tolerance
 
 Batch = list[tuple[str | int, torch.Tensor, int]]  # (position or name, tensor, batch dim)
@@ -116,7 +117,7 @@ def slice_back(out: Any, size: int, real: int, dim: int) -> Any:
             return x.narrow(dim, 0, real)
         return x
 
-    return pytree.tree_map(cut, out)
+    return pytree.tree_map(cut, out, is_leaf=size_leaf)
 
 
 def copies(args: tuple[Any, ...], kwargs: dict[str, Any]

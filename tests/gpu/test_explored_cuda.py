@@ -25,7 +25,7 @@ from ..test_backward import (
 from ..test_buckets import check_batch_size_output_keeps_eager_values
 from ..test_guards import check_global_named_like_an_attribute
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
-from ..test_usage import counts
+from ..test_usage import check_size_outputs_stay_sizes, counts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -738,3 +738,7 @@ def test_global_named_like_an_attribute_keeps_the_graphs():
 
 def test_bucket_output_derived_from_the_batch_size_keeps_eager_values():
     check_batch_size_output_keeps_eager_values(dev)
+
+
+def test_a_returned_torch_size_stays_a_torch_size():
+    check_size_outputs_stay_sizes(dev)

@@ -50,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from . import gradgraph, recompute, replay
 from .capture import Backend, Pool
+from .flat import size_leaf
 from .gradgraph import GradGraph, copy_all
 from .guards import Watch
 from .stats import Stats
@@ -92,7 +93,7 @@ class _Call:
 class Trained(replay.Captured):
     """A forward graph captured for training, with its backward (captured lazily)."""
 
-    __slots__ = ("watch", "stats", "spec", "pool_idx", "nondiff", "diff", "static_diff",
+    __slots__ = ("watch", "stats", "spec", "leaf", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached")
@@ -105,7 +106,10 @@ class Trained(replay.Captured):
                          base.inplace, reuse)
         self.watch = watch
         self.stats = stats
-        flat_out, self.spec = pytree.tree_flatten(out)
+        flat_out, self.spec = pytree.tree_flatten(out, is_leaf=size_leaf)
+        # how a call's outputs are flattened as the spec has them (a Size one leaf);
+        # without a Size, pytree's plain walk, which tests no node
+        self.leaf = size_leaf if any(isinstance(v, torch.Size) for v in flat_out) else None
         pool_ids = {id(t) for t in getattr(base.build, "pool_outputs", ())}
         self.pool_idx = [j for j, v in enumerate(flat_out) if id(v) in pool_ids]
         pooled = [flat_out[j] for j in self.pool_idx]
@@ -228,7 +232,7 @@ class Trained(replay.Captured):
         single = self.single
         if single is not None:
             return call, (single.detach() if self.reuse else single.clone(),)
-        flat = pytree.tree_leaves(self.build(leaves))
+        flat = pytree.tree_leaves(self.build(leaves), is_leaf=self.leaf)
         box.append(flat)
         return call, tuple(flat[j] for j in self.pool_idx)
 

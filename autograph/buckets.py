@@ -18,9 +18,10 @@ The rule, precisely:
   sorting or top-k across the batch) and writes that depend on the batch (padded rows
   writing into a cache) are not.  Before the first padded replay of each bucket,
   autograph runs the call both ways, eagerly, on copies of the arguments; if the real
-  rows differ, or the padded run changes anything the real run did not (outside the
-  argument's ``pad_writes`` region, where padded rows are allowed to write), padding is
-  switched off for that context (one graph per exact shape), with a counted reason.
+  rows or the non-tensor outputs (``x.shape[0]``) differ, or the padded run changes
+  anything the real run did not (outside the argument's ``pad_writes`` region, where
+  padded rows are allowed to write), padding is switched off for that context (one
+  graph per exact shape), with a counted reason.
 
 Per-argument options are read through one resolver (``arguments.Arguments``): names and
 positions find the same entry however the call passes the argument.  A call whose key

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from .flat import size_leaf
 from .mutation import storage_ptr
 from .sharing import Shared, is_clone
 from .vocab import EagerReason, Uncapturable
@@ -28,7 +29,7 @@ from .vocab import EagerReason, Uncapturable
 # non-tensor outputs that a replay may hand back as they were at capture
 _CONSTANT_OUTPUTS = (
     type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-    torch.memory_format, enum.Enum, type(Ellipsis),
+    torch.memory_format, enum.Enum, type(Ellipsis), torch.Size,
 )
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
@@ -143,7 +144,7 @@ def output_builder(
 
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
-    flat, spec = pytree.tree_flatten(output)
+    flat, spec = pytree.tree_flatten(output, is_leaf=size_leaf)  # a Size: one constant
     arg_storage: dict[int, tuple[int, torch.Tensor]] = {}
     for i, buf in zip(static.positions, static.buffers):
         if _same_geometry(buf, leaves[i]):

@@ -26,6 +26,10 @@ BY_VALUE = (
 )
 # types keyed without opening anything: tensors and values
 FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *BY_VALUE}).__contains__
+# pytree's ``is_leaf`` for outputs: a ``torch.Size`` stays one leaf, handed back whole
+# (pytree opens it as a tuple and ``tree_unflatten`` rebuilds a plain tuple); a builtin,
+# so a walk pays no Python call per node for it
+size_leaf: Callable[[Any], bool] = torch.Size.__instancecheck__
 
 
 class Flat:

@@ -4,7 +4,8 @@ what padding would change.
 Padding is only correct when rows do not interact.  Before the first padded replay of
 each bucket (per context, see ``buckets``) the call runs twice, eagerly, under
 ``no_grad``, on copies of its arguments: once as it is, once padded.  The real rows of
-the outputs must match, and every argument must end up as the real run leaves it (a
+the outputs must match, and so must every non-tensor output (``x.shape[0]`` would come
+back as the bucket's size); every argument must end up as the real run leaves it (a
 padded argument on its real rows): padded rows may not write into a cache or table,
 except inside that argument's ``pad_writes`` region, where differences are ignored (and
 only there: a write anywhere else is still a problem).  Floating-point arguments the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections import Counter
 from typing import Any
 
@@ -9,6 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .capture import backend_for
+from .flat import size_leaf
 from .verify import tolerance
 
 Batch = list[tuple[str | int, torch.Tensor, int]]  # (position or name, tensor, batch dim)
@@ -115,7 +117,7 @@ def slice_back(out: Any, size: int, real: int, dim: int) -> Any:
             return x.narrow(dim, 0, real)
         return x
 
-    return pytree.tree_map(cut, out)
+    return pytree.tree_map(cut, out, is_leaf=size_leaf)
 
 
 def copies(args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -130,6 +132,10 @@ Region = tuple[int, Any]  # a pad_writes entry: (dim, int, slice or tuple of int
 
 
 def compare(expect: Any, got: Any) -> str | None:
+    """What differs between the real call's outputs and the padded call's (sliced back),
+    or None: the structure, every tensor's shape and real rows, and every other leaf
+    (a number derived from the batch size, ``x.shape``), which a replay would return as
+    the padded capture saw it."""
     a, spec_a = pytree.tree_flatten(expect)
     b, spec_b = pytree.tree_flatten(got)
     if spec_a != spec_b:
@@ -140,7 +146,22 @@ def compare(expect: Any, got: Any) -> str | None:
                 return "an output changes shape"
             if not _close(x, y):
                 return "real rows of an output change"
+        elif not _same_value(x, y):
+            return f"a non-tensor output changes ({reprlib.repr(x)} becomes {reprlib.repr(y)})"
     return None
+
+
+def _same_value(x: Any, y: Any) -> bool:
+    """Whether two non-tensor output leaves are the same value (NaN equal to NaN; a
+    value that cannot be compared counts as changed)."""
+    if x is y:
+        return True
+    if type(x) is not type(y):
+        return False
+    try:
+        return bool(x == y) or bool(x != x and y != y)  # noqa: PLR0124 - NaN
+    except Exception:  # noqa: BLE001 - an object without a plain equality
+        return False
 
 
 def compare_writes(plain: list[tuple[Any, torch.Tensor]], padded: list[torch.Tensor],

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .cache import GraphCache, pinned
 from .capture import _current_stream, _stream_of
+from .flat import size_leaf
 from .padding import Batch, empty_in_layout, out_dim
 
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
@@ -179,7 +180,7 @@ def unshared(out: Any, ptrs: frozenset[int]) -> Any:
             return x.clone()
         return x
 
-    return pytree.tree_map(own, out)
+    return pytree.tree_map(own, out, is_leaf=size_leaf)
 
 
 def rebased(out: Any, slot: Slot, args: list[torch.Tensor]) -> Any:
@@ -204,7 +205,7 @@ def rebased(out: Any, slot: Slot, args: list[torch.Tensor]) -> Any:
         offset = arg.storage_offset() + x.storage_offset() - buf.storage_offset()
         return arg.as_strided(x.shape, x.stride(), offset)
 
-    return pytree.tree_map(back, out)
+    return pytree.tree_map(back, out, is_leaf=size_leaf)
 
 
 def _without(shape: torch.Size, dim: int) -> tuple[int, ...]:

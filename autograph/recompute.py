@@ -55,7 +55,7 @@ def gradients(graph: Trained, leaves: list[Any], grads: tuple[Any, ...]
     finally:
         for d, name, t in swaps:
             d[name] = t
-    flat = pytree.tree_leaves(out)
+    flat = pytree.tree_leaves(out, is_leaf=graph.leaf)  # as the graph's spec
     pooled = [flat[j] for j in graph.pool_idx]
     pairs = [(pooled[k], grads[k]) for k in graph.diff if grads[k] is not None]
     inputs = [leaves[i] for i in graph.sources] + graph.inputs_state

@@ -8,6 +8,8 @@ from torch import nn
 
 import autograph
 
+from .test_usage import counts
+
 pytestmark = pytest.mark.usefixtures("standin")
 
 BUCKETS = [1, 2, 4, 8]
@@ -216,3 +218,36 @@ def test_a_malformed_request_raises_and_leaves_padding_on():
     s = autograph.stats(g)
     assert s["padding"] is None and s["graphs"] == 2, s
     assert s["buckets"][8]["hits"] >= 4, s
+
+
+def check_batch_size_output_keeps_eager_values(device="cpu"):
+    """A Python number derived from the batch size (``x.shape[0]``) is eager's on every
+    call, replays included: padding, which would return the bucket's size, is switched
+    off.  Non-tensor outputs that do not depend on the batch size (a width, a flag,
+    None) keep padding on (shared with tests/gpu)."""
+    @autograph.graphed(buckets=[8], warmup=0)
+    def rows(x):
+        return x * 2, x.shape[0]
+
+    @autograph.graphed(buckets=[8], warmup=0)
+    def constants(x):
+        return x * 2, x.shape[1], True, None
+
+    with torch.no_grad():
+        for n in [5, 7, 6] * 3:
+            x = torch.randn(n, 4, device=device)
+            out, count = rows(x)
+            torch.testing.assert_close(out, x * 2)
+            assert count == n
+            out, width, flag, none = constants(x)
+            torch.testing.assert_close(out, x * 2)
+            assert (width, flag, none) == (4, True, None)
+    s = counts(rows)
+    assert s["padding"].startswith("padding off: padding changes results"), s
+    assert s["replays"] >= 5 and s["captures"] == 3, s  # one graph per batch size
+    s = counts(constants)
+    assert s["padding"] is None and s["captures"] == 1 and s["replays"] >= 7, s
+
+
+def test_an_output_derived_from_the_batch_size_keeps_eager_values():
+    check_batch_size_output_keeps_eager_values()

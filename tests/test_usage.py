@@ -348,6 +348,66 @@ def check_output_building_failure_writes_once(device="cpu"):
 def test_a_call_writing_an_argument_and_returning_its_bytes_writes_once():
     check_output_building_failure_writes_once()
 
+class SizeHead(nn.Linear):
+    """A linear layer that also returns shapes: a torch.Size, alone and in a dict."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return x.shape, y, {"shape": y.shape[1:], "n": y.shape.numel()}
+
+
+def check_size_outputs_stay_sizes(device="cpu"):
+    """A returned torch.Size comes back a torch.Size equal to eager's (pytree rebuilds
+    it as a plain tuple) from the replays of inference and training graphs and from
+    bucketed calls, padded or not (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    m = SizeHead(4, 3).to(device)
+    plain, trained = autograph.graphed(copy.deepcopy(m)), autograph.graphed(copy.deepcopy(m))
+    padded = autograph.graphed(copy.deepcopy(m), buckets=[8])
+
+    def widths(x):
+        return x * 2, x.shape[1:]
+
+    bucketed = autograph.graphed(widths, buckets=[8])
+
+    def same(got, expect):
+        assert type(got[0]) is torch.Size and type(got[-1]) is type(expect[-1]), got
+        if isinstance(got[-1], dict):
+            assert type(got[-1]["shape"]) is torch.Size, got
+        assert got[0] == expect[0] and got[-1] == expect[-1]
+        torch.testing.assert_close(got[1], expect[1])
+
+    for n in [3] * CALLS + [5, 7, 6] * 3:
+        x = torch.randn(n, 4, device=device)
+        with torch.no_grad():
+            if n == 3:
+                same(plain(x), m(x))
+            same(padded(x), m(x))
+            got, width = bucketed(x)
+            assert type(width) is torch.Size and width == (4,)
+            torch.testing.assert_close(got, x * 2)
+        if n == 3:  # autograd records: a training graph
+            got, expect = trained(x), m(x)
+            same(got, expect)
+            got[1].sum().backward()
+            expect[1].sum().backward()
+    torch.testing.assert_close(trained.weight.grad, m.weight.grad)
+    assert counts(trained)["backward_replays"] > 0
+    # gradients differentiated again: the forward runs again, its outputs read as the
+    # graph's (a Size one leaf), then the key runs eagerly
+    x, replays = torch.randn(3, 4, device=device), counts(trained)["replays"]
+    grads = [torch.autograd.grad(out[1].square().sum(), w, create_graph=True)[0]
+             for out, w in ((trained(x), trained.weight), (m(x), m.weight))]
+    torch.testing.assert_close(*grads)
+    assert counts(trained)["replays"] == replays + 1
+    for g in (plain, trained, padded, bucketed):
+        replayed(g)
+    assert counts(bucketed)["padding"] is None  # a width: padding stays on
+
+
+def test_a_returned_torch_size_stays_a_torch_size():
+    check_size_outputs_stay_sizes()
+
 
 # 3. Exceptions ----------------------------------------------------------------------
 

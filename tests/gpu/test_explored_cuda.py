@@ -22,6 +22,7 @@ from ..test_backward import (
     check_inference_tensor_argument_raises_as_eager,
     check_unused_outputs_give_no_gradient,
 )
+from ..test_buckets import check_batch_size_output_keeps_eager_values
 from ..test_guards import (
     check_global_named_like_an_attribute,
     check_plain_object_method_reads_its_attributes,
@@ -30,6 +31,7 @@ from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import (
     check_output_building_failure_writes_once,
     check_outputs_viewing_bytes_as_another_dtype,
+    check_size_outputs_stay_sizes,
     counts,
 )
 
@@ -752,3 +754,11 @@ def test_plain_object_method_reads_its_attributes():
 
 def test_global_named_like_an_attribute_keeps_the_graphs():
     check_global_named_like_an_attribute(dev)
+
+
+def test_bucket_output_derived_from_the_batch_size_keeps_eager_values():
+    check_batch_size_output_keeps_eager_values(dev)
+
+
+def test_a_returned_torch_size_stays_a_torch_size():
+    check_size_outputs_stay_sizes(dev)

@@ -220,4 +220,6 @@ def _scalar(kind: str, value: Any) -> Any:
         return _dtype(value)
     if kind == "device":
         return torch.device(value)
+    if kind == "Size":
+        return torch.Size(value)
     return value

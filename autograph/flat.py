@@ -22,11 +22,11 @@ from .vocab import Uncapturable
 
 BY_VALUE = (
     type(None), bool, int, str, bytes, torch.dtype, torch.device, torch.layout,
-    torch.memory_format, type(Ellipsis),
+    torch.memory_format, type(Ellipsis), torch.Size,
 )
 # types keyed without opening anything: tensors and values
 FLAT = frozenset({torch.Tensor, torch.nn.Parameter, float, *BY_VALUE}).__contains__
-# pytree's ``is_leaf`` for outputs: a ``torch.Size`` stays one leaf, handed back whole
+# pytree's ``is_leaf`` for arguments and outputs: a ``torch.Size`` stays one leaf, handed back whole
 # (pytree opens it as a tuple and ``tree_unflatten`` rebuilds a plain tuple); a builtin,
 # so a walk pays no Python call per node for it
 size_leaf: Callable[[Any], bool] = torch.Size.__instancecheck__

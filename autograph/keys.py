@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
-from .flat import BY_VALUE, FLAT, Flat, spec_key, unopened
+from .flat import BY_VALUE, FLAT, Flat, size_leaf, spec_key, unopened
 from .memo import KeyMemo
 from .objects import (
     ObjectKey,
@@ -65,6 +65,8 @@ class ValueKey(NamedTuple):
             return {self.kind.__name__: self.value}
         if self.kind in (torch.dtype, torch.device):
             return {self.kind.__name__: str(self.value)}
+        if self.kind is torch.Size:
+            return {"Size": list(self.value)}
         return None
 
 
@@ -146,12 +148,12 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
         names = tuple(kwargs)
         leaves, structure, spec = (*args, *kwargs.values()), (len(args), names), None
     else:
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=size_leaf)
         structure, names = spec_key(spec), ()
     try:
         parts, tensor_pos, device, objs = _leaf_keys(leaves)
     except _Reopen:  # a mapping type pytree opens from now on: flatten again
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=size_leaf)
         structure, names = spec_key(spec), ()
         parts, tensor_pos, device, objs = _leaf_keys(leaves)
     if objs:

@@ -1259,3 +1259,20 @@ def test_calls_with_object_arguments_are_not_verified():
             torch.testing.assert_close(mine.buf, ref.buf)
     s = counts(g)
     assert s["replays"] > 0 and s["verifications"] == 0, s
+
+
+def _reshaped(x, shape, shapes):
+    return x.reshape(shape) * shape.numel() + shapes[0].numel()
+
+
+def test_size_arguments_stay_sizes_and_are_keyed_by_value():
+    """A ``torch.Size`` argument, alone or in a list, reaches the function as a
+    ``torch.Size`` (it was rebuilt as a tuple, so ``.numel()`` raised where eager
+    runs), and another size selects another graph."""
+    g = autograph.graphed(_reshaped)
+    with torch.no_grad():
+        for shape in [torch.Size([4, 3])] * CALLS + [torch.Size([3, 4])] * CALLS:
+            x = torch.randn(12)
+            torch.testing.assert_close(g(x, shape, [shape]), _reshaped(x, shape, [shape]))
+    s = replayed(g)
+    assert s["captures"] == 2, s

@@ -85,7 +85,7 @@ class Bucketer:
         self.routes = routes.Routes()  # calls whose key replayed before: the short path
         engine.cache.on_forget = self.routes.clear  # a freed graph is not kept by a route
         self._learned: dict[Any, Learned] = {}
-        self._plans: dict[Any, list[tuple[Key, int]]] = {}
+        self._plans: dict[Any, list[tuple[Key, int, Key | None]]] = {}
 
     @property
     def written(self) -> set[Key] | None:
@@ -215,6 +215,7 @@ class Bucketer:
         """The first call of a context: run it as it is, eagerly, noting the arguments it
         writes in place and whether it writes module state (then padding is off in this
         context: the check's extra runs would update that state)."""
+        self._plan_dims(args, kwargs)  # a batch_dims past an argument's dims raises now
         leaves = list(args) + list(kwargs.values())
         tensors = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         watched = watch_map(leaves, tensors)
@@ -272,22 +273,36 @@ class Bucketer:
             if len(self._plans) > 64:  # calls of ever new keyword sets: keep it bounded
                 self._plans.clear()
             self._plans[(shape, id(learned))] = plan
+        return self._dims_of(plan, args, kwargs)
+
+    def _plan_dims(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Batch:
+        """The batch arguments by ``batch_dims`` and the defaults alone (nothing learned)."""
+        return self._dims_of(self._plan(args, kwargs, set()), args, kwargs)
+
+    @staticmethod
+    def _dims_of(plan: list[tuple[Key, int, Key | None]], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Batch:
         out = []
-        for key, dim in plan:
+        for key, dim, named in plan:
             value = args[key] if isinstance(key, int) else kwargs[key]
-            if isinstance(value, torch.Tensor) and dim < value.dim():
-                out.append((key, value, dim))
+            if isinstance(value, torch.Tensor):
+                if dim < value.dim():
+                    out.append((key, value, dim))
+                elif named is not None:
+                    raise ValueError(f"autograph: batch_dims gives argument {named!r} batch "
+                                     f"dimension {dim}, but it has {value.dim()} dimensions")
         return out
 
     def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any], written: set[Key]
-              ) -> list[tuple[Key, int]]:
-        """(position or name, batch dim) of the arguments that carry the batch when they
-        are tensors, for calls of this many positional arguments and these keywords."""
-        plan: list[tuple[Key, int]] = []
+              ) -> list[tuple[Key, int, Key | None]]:
+        """(position or name, batch dim, the ``batch_dims`` key that set it or None) of
+        the arguments that carry the batch when they are tensors, for calls of this many
+        positional arguments and these keywords."""
+        plan: list[tuple[Key, int, Key | None]] = []
         for key, canon in zip((*range(len(args)), *kwargs), self.args.keys_of(args, kwargs)):
             dim = self.dims.get(canon, None if canon in written else 0)
             if dim is not None:
-                plan.append((key, dim))
+                plan.append((key, dim, canon if canon in self.dims else None))
         return plan
 
     # -- the safety check ---------------------------------------------------------------

@@ -251,3 +251,16 @@ def check_batch_size_output_keeps_eager_values(device="cpu"):
 
 def test_an_output_derived_from_the_batch_size_keeps_eager_values():
     check_batch_size_output_keeps_eager_values()
+
+
+def test_batch_dims_past_an_arguments_dimensions_is_a_clear_error(standin):
+    """``batch_dims`` naming a dimension the argument does not have was ignored (the
+    argument went unpadded, every size its own graph); it is a ValueError naming it."""
+    g = autograph.graphed(lambda x: x * 2, buckets=[4, 8], batch_dims={"x": 3})
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match="argument 'x' batch dimension 3, but it has 2"):
+        g(torch.randn(3, 4))
+    h = autograph.graphed(lambda x, n: x * n, buckets=[4], batch_dims={1: 0})
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match="argument 'n' batch dimension 0, but it has 0"):
+        h(torch.randn(3, 4), torch.tensor(2.0))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
 from . import gradgraph, lifecycle, replay
@@ -238,12 +239,19 @@ def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: 
     return list(extra.values())
 
 
+# torch.utils.checkpoint's reentrant Function (use_reentrant=True)
+_REENTRANT: Any = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+
+
 def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) -> str | None:
     """Why the captured autograd graph reaches beyond the call (a tensor that requires
     grad and is no argument or parameter, or one computed with autograd before the
     call): gradients would not reach it.  None if it does not."""
     allowed = {id(t) for t in targets}
     for node in gradgraph.nodes(outs):
+        if _REENTRANT is not None and getattr(node, "_forward_cls", None) is _REENTRANT:
+            return "reentrant activation checkpointing (use_reentrant=True) runs a " \
+                   "backward of its own, which torch.autograd.grad refuses"
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
             if id(var) not in allowed:

@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import autograph
@@ -874,3 +875,40 @@ def check_inference_tensor_argument_raises_as_eager(device="cpu"):
 
 def test_an_inference_tensor_argument_raises_as_in_eager_mode():
     check_inference_tensor_argument_raises_as_eager()
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.reentrant = nn.Linear(8, 8), nn.Linear(8, 1), reentrant
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=self.reentrant)
+        return self.b(torch.tanh(h))
+
+
+def check_activation_checkpointing(device="cpu"):
+    """Activation checkpointing: reentrant (its backward differentiates again, which
+    ``torch.autograd.grad`` refuses) runs eagerly with a reason, gradients as eager's;
+    non-reentrant replays (shared with tests/gpu)."""
+    for reentrant in (True, False):
+        m = Checkpointed(reentrant).to(device)
+        g = autograph.graphed(copy.deepcopy(m))
+        for _ in range(5):
+            x = torch.randn(4, 8, device=device, requires_grad=True)
+            g(x).sum().backward()
+            got, x.grad = x.grad, None
+            m(x).sum().backward()
+            torch.testing.assert_close(got, x.grad)
+            for p, q in zip(m.parameters(), g.parameters()):
+                torch.testing.assert_close(q.grad, p.grad)
+        s = autograph.stats(g)
+        if reentrant:
+            assert s["replays"] == 0 and s["eager_reasons"].get("backward_unsupported"), s
+        else:
+            assert s["replays"] >= 2 and s["backward_replays"] >= 1, s
+
+
+def test_activation_checkpointing_reentrant_runs_eagerly_and_non_reentrant_replays():
+    check_activation_checkpointing()

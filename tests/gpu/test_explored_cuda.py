@@ -19,6 +19,7 @@ from torch import nn
 import autograph
 
 from ..test_backward import (
+    check_activation_checkpointing,
     check_inference_tensor_argument_raises_as_eager,
     check_unused_outputs_give_no_gradient,
 )
@@ -750,6 +751,10 @@ def test_a_call_writing_an_argument_and_returning_its_bytes_writes_once():
 
 def test_plain_object_method_reads_its_attributes():
     check_plain_object_method_reads_its_attributes(dev)
+
+
+def test_activation_checkpointing():
+    check_activation_checkpointing(dev)
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

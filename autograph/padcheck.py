@@ -46,7 +46,47 @@ def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: B
             size: int, written: set[Key], names: Arguments, fills: list[Any],
             regions: dict[Key, Region]) -> str | None:
     """What padding this call up to ``size`` changes, None when nothing does, or
-    :data:`UNCHECKED` when the call raises without padding too."""
+    :data:`UNCHECKED` when the call raises without padding too.
+
+    Checked on the call's own values, then, where floating-point arguments carry the
+    batch, on them made all positive and all negative: a maximum or minimum over the
+    batch dimension (``x.amax(0)``, a sort) ignores padded zeros on some data only, and
+    replays would then be wrong on the rest.  Sums over the batch stay exact."""
+    verdict = _problem(eager, args, kwargs, batch, size, written, names, fills, regions)
+    if verdict is not None:
+        return verdict
+    for sign in (1.0, -1.0):
+        signed = _signed(args, kwargs, batch, sign)
+        if signed is None:
+            break
+        verdict = _problem(eager, *signed, batch, size, written, names, fills, regions)
+        if verdict is not None and verdict is not UNCHECKED:
+            return f"{verdict} (on values of one sign)"
+    return None
+
+
+def _signed(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, sign: float
+            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments with each floating-point batch argument replaced by its values
+    made all of one sign (``sign * (|x| + 1)``), or None when there is none."""
+    new_args, new_kwargs = list(args), dict(kwargs)
+    changed = False
+    for key, value, _ in batch:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            with torch.no_grad():
+                signed = (value.abs() + 1) * sign
+            if isinstance(key, int):
+                new_args[key] = signed
+            else:
+                new_kwargs[key] = signed
+            changed = True
+    return (tuple(new_args), new_kwargs) if changed else None
+
+
+def _problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
+             size: int, written: set[Key], names: Arguments, fills: list[Any],
+             regions: dict[Key, Region]) -> str | None:
+    """:func:`problem` on these values."""
     real = size_of(batch[0][1], batch[0][2])
     plain_args, plain_kwargs = copies(args, kwargs)
     pad_args, pad_kwargs = copies(args, kwargs)

@@ -264,3 +264,36 @@ def test_batch_dims_past_an_arguments_dimensions_is_a_clear_error(standin):
     with torch.no_grad(), pytest.raises(ValueError,
                                         match="argument 'n' batch dimension 0, but it has 0"):
         h(torch.randn(3, 4), torch.tensor(2.0))
+
+
+def _amax(x):
+    return x.amax(0)
+
+
+def _sorted(x):
+    return x.sort(0).values
+
+
+def _summed(x):
+    return x.sum(0)
+
+
+def check_order_statistics_over_the_batch_turn_padding_off(device="cpu"):
+    """A maximum, minimum or sort over the batch dimension ignores padded zeros only
+    for some data: checked once on positive values it kept padding on, and later
+    negative batches got the padded zeros.  Padding goes off for them (every call
+    eager's result); a sum over the batch, exact with zero rows, keeps it (shared with
+    tests/gpu)."""
+    for f, padded in ((_amax, False), (_sorted, False), (_summed, True)):
+        g = autograph.graphed(f, buckets=[2, 4])
+        with torch.no_grad():
+            for i, b in enumerate([3, 1, 2, 4, 3, 3, 3, 3, 2, 1, 4, 3, 3]):
+                x = (torch.rand(b, 8, device=device) + 0.1) * (1 if i < 6 else -1)
+                torch.testing.assert_close(g(x), f(x))
+        s = autograph.stats(g)
+        assert (s["padding"] is None) == padded, (f.__name__, s["padding"])
+        assert s["replays"] >= 1, s
+
+
+def test_order_statistics_over_the_batch_turn_padding_off(standin):
+    check_order_statistics_over_the_batch_turn_padding_off()

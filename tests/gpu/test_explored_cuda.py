@@ -23,7 +23,10 @@ from ..test_backward import (
     check_inference_tensor_argument_raises_as_eager,
     check_unused_outputs_give_no_gradient,
 )
-from ..test_buckets import check_batch_size_output_keeps_eager_values
+from ..test_buckets import (
+    check_batch_size_output_keeps_eager_values,
+    check_order_statistics_over_the_batch_turn_padding_off,
+)
 from ..test_guards import (
     check_global_named_like_an_attribute,
     check_plain_object_method_reads_its_attributes,
@@ -755,6 +758,10 @@ def test_plain_object_method_reads_its_attributes():
 
 def test_activation_checkpointing():
     check_activation_checkpointing(dev)
+
+
+def test_order_statistics_over_the_batch_turn_padding_off():
+    check_order_statistics_over_the_batch_turn_padding_off(dev)
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

@@ -286,10 +286,10 @@ def warmup(
     by repeating their rows; a size between buckets is served (and reported) by the next
     bucket.  Without buckets, ``batch_sizes`` raises ``ValueError`` (nothing says which
     arguments carry the batch).  With ``plan`` (a file written by :func:`save_plan`), the
-    keys recorded for ``fn`` are captured first, most used first, but only if every
-    environment and model fingerprint field matches; otherwise nothing is captured from
-    the plan and the differing fields are logged.  Unreadable plans raise
-    ``ValueError``.
+    keys recorded for ``fn`` are captured first, most used first, each under its recorded
+    grad/inference/autocast modes, if every environment and model fingerprint field
+    matches (else nothing is, and the differing fields are logged) and its numerics and
+    training flags match this process's.  Unreadable plans raise ``ValueError``.
 
     Returns one dict per capture: ``what``, with buckets ``bucket`` (the bucket whose
     graph serves the call, None where it ran unpadded), ``captured``,

@@ -6,7 +6,8 @@ ordinary call path with example arguments until each wanted key is captured, lar
 first (smaller graphs then reuse the pool memory of larger ones), and reports what
 each capture cost.  With a plan saved by :func:`autograph.save_plan`, it first checks
 the plan's fingerprints against this process and captures the recorded keys only if
-every field matches.
+every field matches, each under the grad, inference and autocast modes it recorded
+(``keymodes.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import keymodes
 from . import plan as _plan
 from .buckets import Bucketer
 from .dispatch import Engine
@@ -159,15 +161,40 @@ def _from_plan(fn: Any, args: tuple[Any, ...], engine: Engine,
     hits = section.get("bucket_hits", {})
     keyed = list(zip(section.get("keys", []), section.get("inplace", [])))
     keyed.sort(key=lambda kp: (-hits.get(str(_rows(kp[0])), 0), -_elements(kp[0])))
-    report = []
-    for key, inplace in keyed:
-        call = _call_from_key(key, inplace, args)
-        if call is None:
-            report.append({"what": "plan key", "captured": False,
-                           "reason": "needs the example's in-place arguments"})
-            continue
-        report.append(_capture(fn, engine, call[0], call[1], "plan key"))
-    return report
+    return [_plan_key(fn, engine, key, inplace, args) for key, inplace in keyed]
+
+
+def _plan_key(fn: Any, engine: Engine, key: dict[str, Any], inplace: list[int],
+              example: tuple[Any, ...]) -> dict[str, Any]:
+    """Capture one plan key under the grad, inference and autocast modes it recorded;
+    not where its numerics or training flags differ from this process's, and reported
+    as captured only if the graph captured has the plan's key."""
+    refused = keymodes.refusal(key, engine.training())
+    if refused is not None:
+        return {"what": "plan key", "captured": False, "reason": refused}
+    with torch.inference_mode(False):  # plain tensors, whatever the caller's mode
+        call = _call_from_key(key, inplace, example)
+    if call is None:
+        return {"what": "plan key", "captured": False,
+                "reason": "needs the example's in-place arguments"}
+    before = {k for k, _ in engine.cache.graph_keys()}
+    with keymodes.entered(key):
+        entry = _capture(fn, engine, call[0], call[1], "plan key")
+    if entry["captured"]:
+        fields = _other_key(engine, key, before)
+        if fields:
+            entry.update(captured=False, reason=f"the key captured differs from the plan's "
+                                                f"in {', '.join(fields)}")
+    return entry
+
+
+def _other_key(engine: Engine, key: dict[str, Any], before: set[Any]) -> list[str]:
+    """The fields of the plan key that no graph captured since ``before`` matches (the
+    fields of the closest one); none where one has the plan's key."""
+    new = [keymodes.as_json(k.to_json()) for k, _ in engine.cache.graph_keys()
+           if k not in before]
+    misses = [[f for f, v in key.items() if (k or {}).get(f) != v] for k in new]
+    return min(misses, key=len) if misses and all(misses) else []
 
 
 def _rows(key: dict[str, Any]) -> int:
@@ -194,7 +221,7 @@ def _call_from_key(key: dict[str, Any], inplace: list[int], example: tuple[Any, 
         elif "tensor" in leaf:
             spec = leaf["tensor"]
             t = torch.empty_strided(spec["shape"], spec["stride"],
-                                    dtype=_dtype(spec["dtype"]), device=spec["device"])
+                                    dtype=_plan.parse_dtype(spec["dtype"]), device=spec["device"])
             t.zero_()
             if spec["requires_grad"] and t.is_floating_point():
                 t.requires_grad_(True)
@@ -206,18 +233,11 @@ def _call_from_key(key: dict[str, Any], inplace: list[int], example: tuple[Any, 
     return tuple(leaves[:n]), dict(zip(key["kwargs"], leaves[n:]))
 
 
-def _dtype(name: str) -> torch.dtype:
-    value = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise _plan.PlanError(f"autograph plan: unknown dtype {name!r}")
-    return value
-
-
 def _scalar(kind: str, value: Any) -> Any:
     if kind == "float":
         return float.fromhex(value)
     if kind == "dtype":
-        return _dtype(value)
+        return _plan.parse_dtype(value)
     if kind == "device":
         return torch.device(value)
     if kind == "Size":

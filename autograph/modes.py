@@ -94,6 +94,19 @@ def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
     return other
 
 
+# Names of the numerics flags that follow (grad, inference, autocast) in the tuple of
+# each device type, in its order, for messages.
+_CUDA_FLAGS = ("TF32 matmul", "TF32 conv", "TF32 rnn", "fp16 reduced-precision reduction",
+               "bf16 reduced-precision reduction", "fp16 accumulation",
+               "cuDNN deterministic", "deterministic algorithms", "default dtype")
+_OTHER_FLAGS = ("CPU matmul precision", "deterministic algorithms", "default dtype")
+
+
+def flag_names(kind: str) -> tuple[str, ...]:
+    """The names of the numerics flags in the modes of device type ``kind``, in order."""
+    return _CUDA_FLAGS if kind == "cuda" else _OTHER_FLAGS
+
+
 # device -> its reader: ``device.type`` builds a new string on every read, a dict
 # lookup by the device does not
 _readers: dict[torch.device, Callable[[], tuple[Any, ...]]] = {}

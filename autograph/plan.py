@@ -92,6 +92,14 @@ def _checksum(t: torch.Tensor, chunk: int = 1 << 24) -> int:
     return total
 
 
+def parse_dtype(name: str) -> torch.dtype:
+    """The dtype a plan names (``"torch.float16"``); :class:`PlanError` if none is."""
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise PlanError(f"autograph plan: unknown dtype {name!r}")
+    return value
+
+
 # -- writing and reading ------------------------------------------------------------
 def save(path: str | os.PathLike[str], callables: dict[str, Any]) -> None:
     """Write a plan atomically: a reader sees the old file or the whole new one."""

@@ -1,5 +1,6 @@
 """Capture plans: round trip, fingerprints, and plans that must not be trusted."""
 
+import contextlib
 import json
 import os
 
@@ -124,3 +125,149 @@ def test_saving_over_a_plan_replaces_it_whole(tmp_path):
     path.write_text("old")
     autograph.save_plan(path)
     assert json.loads(path.read_text())["format"] == "autograph-plan"
+
+
+# -- warming a plan up under the modes it recorded ----------------------------------------
+def _autocast_no_grad():
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.autocast("cpu", dtype=torch.bfloat16))
+    return stack
+
+
+# recorded under the first, warmed up under the second (the caller's own modes)
+MODES = {
+    "inference_mode": (torch.inference_mode, contextlib.nullcontext),
+    "no_grad": (torch.no_grad, contextlib.nullcontext),
+    "autocast": (_autocast_no_grad, contextlib.nullcontext),
+    "grad": (contextlib.nullcontext, torch.inference_mode),
+}
+
+
+def _recorded(tmp_path, model, modes, x, edit=None):
+    """A plan of ``model`` graphed and called under ``modes``, its graphs then dropped
+    as if the process had restarted; ``edit`` changes each of its keys."""
+    g = autograph.graphed(model)
+    with modes():
+        for _ in range(3):
+            g(x)
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    if edit is not None:
+        doc = json.loads(path.read_text())
+        for key in doc["callables"][_name(g)]["keys"]:
+            edit(key)
+        path.write_text(json.dumps(doc))
+    autograph.reset(g)
+    return g, path
+
+
+@pytest.mark.parametrize("recorded, caller", MODES.values(), ids=list(MODES))
+def test_plan_keys_are_warmed_up_under_their_recorded_modes(tmp_path, recorded, caller):
+    """The first call under the recorded modes replays the graph the plan warmed up,
+    whatever the modes ``warmup()`` was called in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+    x = torch.randn(2, 8)
+    g, path = _recorded(tmp_path, model, recorded, x)
+    grad = torch.is_grad_enabled()
+    with caller():
+        report = autograph.warmup(g, plan=path)
+    assert [r["captured"] for r in report] == [True], report
+    assert torch.is_grad_enabled() == grad and not torch.is_autocast_enabled("cpu")
+    before = autograph.stats(g)
+    with recorded():
+        out = g(x)
+    after = autograph.stats(g)
+    assert (after["replays"], after["captures"]) == (before["replays"] + 1, before["captures"])
+    with recorded():
+        torch.testing.assert_close(out, model(x))
+
+
+def test_a_plan_recorded_in_eval_mode_is_not_captured_in_train_mode(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
+    g, path = _recorded(tmp_path, model, torch.no_grad, torch.randn(2, 8))
+    model.train()
+    with torch.no_grad():
+        (entry,) = autograph.warmup(g, plan=path)
+    assert not entry["captured"]
+    assert entry["reason"] == "recorded in eval mode, the modules are in train mode"
+    assert model.training and autograph.stats(g)["graphs"] == 0  # left as the user set it
+
+
+@pytest.fixture
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def float64():
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("flag, reason", [
+    ("deterministic", "recorded with deterministic algorithms False, now True"),
+    ("float64", "recorded with default dtype 'torch.float32', now 'torch.float64'"),
+])
+def test_a_plan_recorded_with_other_numerics_flags_is_not_captured(tmp_path, request, flag,
+                                                                   reason):
+    """Numerics flags are the user's: warmup neither changes them nor captures a key
+    that the process would never call."""
+    g, path = _recorded(tmp_path, nn.Linear(8, 4), torch.no_grad, torch.randn(2, 8))
+    request.getfixturevalue(flag)
+    with torch.no_grad():
+        (entry,) = autograph.warmup(g, plan=path)
+    assert not entry["captured"] and entry["reason"] == reason
+    assert autograph.stats(g)["graphs"] == 0
+    assert torch.are_deterministic_algorithms_enabled() == (flag == "deterministic")
+
+
+def test_a_plan_flag_is_named_in_the_reason(tmp_path):
+    """A numerics flag changed in the plan is named, with both values."""
+    seen = {}
+
+    def other_precision(key):
+        seen["now"] = now = key["modes"][3]  # CPU matmul: 'none' ('ieee' once legacy-set)
+        seen["then"] = key["modes"][3] = "tf32" if now == "bf16" else "bf16"
+
+    g, path = _recorded(tmp_path, nn.Linear(8, 4), torch.no_grad, torch.randn(2, 8),
+                        other_precision)
+    (entry,) = autograph.warmup(g, plan=path)
+    assert entry["reason"] == (f"recorded with CPU matmul precision {seen['then']!r}, "
+                               f"now {seen['now']!r}")
+
+
+def test_a_capture_under_another_key_than_the_plans_is_not_reported_captured(tmp_path):
+    """Grad mode with inference mode cannot be entered: the key captured has other
+    modes than the plan's, and the report says so."""
+    def impossible(key):
+        key["modes"][0] = True
+
+    g, path = _recorded(tmp_path, nn.Linear(8, 4), torch.inference_mode, torch.randn(2, 8),
+                        impossible)
+    (entry,) = autograph.warmup(g, plan=path)
+    assert not entry["captured"]
+    assert entry["reason"] == "the key captured differs from the plan's in modes"
+
+
+def test_plan_keys_without_modes_are_warmed_up_under_the_callers(tmp_path):
+    """Keys of older plans, without modes or training flags, are captured as before."""
+    def old(key):
+        del key["modes"], key["training"]
+
+    x = torch.randn(2, 8)
+    g, path = _recorded(tmp_path, nn.Linear(8, 4), torch.no_grad, x, old)
+    with torch.no_grad():
+        (entry,) = autograph.warmup(g, plan=path)
+        assert entry["captured"]
+        replays = autograph.stats(g)["replays"]
+        g(x)
+    assert autograph.stats(g)["replays"] == replays + 1

@@ -323,6 +323,28 @@ def test_graphed_model_generate_is_graphed():
     assert s["calls"] == 8 and s["replays"] == 4, s
 
 
+def test_one_static_cache_reset_between_generates_replays_across_them():
+    """A cache passed to every generate (reset between them) keeps its addresses: the
+    later generates replay their decode steps without capturing them again, and the
+    prefill too once it has repeated (usage.md); each generate's own new cache would be
+    captured anew."""
+    model = _tiny("llama")
+    model.generation_config.eos_token_id = model.config.eos_token_id = None  # all 8 tokens
+    g = autograph.graphed(model)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, disable_compile=True)
+    for n in range(4):
+        ids = torch.randint(1, 96, (1, 4))
+        want = model.generate(ids, cache_implementation="static", **kw)
+        cache.reset()
+        assert torch.equal(g.generate(ids, past_key_values=cache, **kw), want)
+        if n == 0:
+            first = dict(autograph.stats(g))
+    s = autograph.stats(g)  # the decode step once; the prefill at its third generate
+    assert first["captures"] == 1 and s["captures"] == 2, (first, s)
+    assert s["replays"] - first["replays"] >= 3 * 7 - 2, (first, s)
+
+
 def test_generate_with_verify_every_replays_and_stays_exact():
     """Decode steps take a cache object, which an eager rerun would advance twice: they
     are replayed but not verified (and a verified attention graph would be, see

@@ -40,7 +40,7 @@ import torch
 from . import padcheck, padslots, routes
 from . import switch as _switch
 from .arguments import Arguments, Key
-from .dispatch import Engine, _functorch_active
+from .dispatch import Engine, _compiling, _functorch_active
 from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
@@ -95,8 +95,10 @@ class Bucketer:
         return next(reversed(self._learned.values())).written
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.stats.calls += 1
         engine = self.engine
+        if _compiling():  # traced by torch.compile: the original, as Engine does
+            return engine.fn(*args, **kwargs)
+        self.stats.calls += 1
         if (_switch._active or _switch.env_set()) and _switch.is_disabled() \
                 or _functorch_active():  # (inside vmap & co: eager, keyed no further)
             return engine.dispatch(args, kwargs)

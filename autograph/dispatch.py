@@ -39,6 +39,8 @@ _is_nested = lifecycle.is_nested
 _grad_enabled = torch.is_grad_enabled
 _nesting = lifecycle.nested_block
 _HELD = replay.HELD
+# True while torch.compile traces (Dynamo evaluates it so); False when code runs
+_compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _functorch_active: Callable[[], bool] = getattr(
     torch._C, "_are_functorch_transforms_active", lambda: False)
 IN_TRANSFORM = "called inside a torch.func transform (vmap, grad, jacrev, functionalize)"
@@ -94,7 +96,10 @@ class Engine:
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One call of the graphed callable, counted."""
+        """One call of the graphed callable, counted; traced by ``torch.compile``, the
+        original (compiled with its caller, not counted)."""
+        if _compiling():
+            return self.fn(*args, **kwargs)
         self.stats.calls += 1
         return self.dispatch(args, kwargs)
 
@@ -278,7 +283,7 @@ class Engine:
             # advance the object's own state, a cache's, a second time)
             if entry.runs % self.verify_every == 0 and not (entry.graph.seeded
                                                              or flat.objects):
-                return self._verified(entry, run, flat)
+                return verify.verified(self, entry, run, flat)
         try:
             if _profiling():
                 with record_function(self.labels["replay"]):
@@ -288,7 +293,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self.replay_failed(entry, exc, flat)
         if result is _HELD:
-            return self._protect(flat, entry.graph.held_reason)
+            return self.protect(flat, entry.graph.held_reason)
         self.stats.replays += 1
         if _stats._observers:
             self.stats.notify("replay")
@@ -297,7 +302,7 @@ class Engine:
         cache.uses = entry.used = cache.uses + 1  # a stamp: races are harmless
         return result
 
-    def _protect(self, flat: Flat, held: tuple[EagerReason, str] | None = None) -> Any:
+    def protect(self, flat: Flat, held: tuple[EagerReason, str] | None = None) -> Any:
         """An earlier output of the graph is still held (``outputs="reuse"``), or what
         an earlier call saved for its backward (``held``): run the call eagerly rather
         than overwrite it."""
@@ -307,25 +312,6 @@ class Engine:
         self.stats.outputs_protected += 1
         self.stats.count_eager(EagerReason.OUTPUTS_HELD, warn=False)
         return self.eager(*flat.call())
-
-    def _verified(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
-        captured = entry.graph
-        if captured.outputs_held():
-            return self._protect(flat)
-        result, problem = verify.check(self.eager, run, flat, captured.inplace,
-                                       captured.state_written)
-        self.stats.verifications += 1
-        if problem is None:
-            self.stats.count_replay()
-            return result
-        self.stats.verify_failures += 1
-        logger.warning("%s: a verified replay differed from eager (%s): this key runs "
-                       "eagerly from now on", self.stats.name, problem)
-        with self.cache.lock:
-            self.cache.forget_graph(entry)
-            entry.give_up(EagerReason.VERIFY_FAILED, problem)
-        self.stats.count_eager(EagerReason.VERIFY_FAILED, problem, warn=False)
-        return result
 
     def replay_failed(self, entry: Entry, exc: Exception, flat: Flat,
                        counted: bool = True) -> Any:

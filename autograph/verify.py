@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .flat import Flat
+from .vocab import EagerReason, logger
 
 ENV_VAR = "AUTOGRAPH_VERIFY_EVERY"
 
@@ -132,3 +133,26 @@ def _restore(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:
 
 def _prefixed(where: str, problem: str | None) -> str | None:
     return f"{where}: {problem}" if problem else None
+
+
+def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> Any:
+    """A replay of ``entry`` checked against an eager run of the same call
+    (``verify_every``): a difference drops the graph, and the key runs eagerly from
+    then on (``engine`` is the ``dispatch.Engine``)."""
+    captured = entry.graph
+    if captured.outputs_held():
+        return engine.protect(flat)
+    result, problem = check(engine.eager, run, flat, captured.inplace, captured.state_written)
+    stats = engine.stats
+    stats.verifications += 1
+    if problem is None:
+        stats.count_replay()
+        return result
+    stats.verify_failures += 1
+    logger.warning("%s: a verified replay differed from eager (%s): this key runs "
+                   "eagerly from now on", stats.name, problem)
+    with engine.cache.lock:
+        engine.cache.forget_graph(entry)
+        entry.give_up(EagerReason.VERIFY_FAILED, problem)
+    stats.count_eager(EagerReason.VERIFY_FAILED, problem, warn=False)
+    return result

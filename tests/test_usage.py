@@ -1276,3 +1276,42 @@ def test_size_arguments_stay_sizes_and_are_keyed_by_value():
             torch.testing.assert_close(g(x, shape, [shape]), _reshaped(x, shape, [shape]))
     s = replayed(g)
     assert s["captures"] == 2, s
+
+
+_COMPILE_WEIGHT = {}
+
+
+@autograph.graphed
+def _times_weight(x):
+    return x @ _COMPILE_WEIGHT[x.device.type]
+
+
+def check_graphed_calls_inside_torch_compile(device="cpu", backend="eager"):
+    """A graphed module or function called from code that ``torch.compile`` traces is
+    traced through to the original (compiled with its caller, no call counted); it
+    raised on CUDA, where the trace reached the warmup's ``record_stream``.  Outside
+    the compiled code the same object graphs as before (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    g = autograph.graphed(m)
+    bucketed = autograph.graphed(m, buckets=[4])
+    w = _COMPILE_WEIGHT[torch.device(device).type] = torch.randn(16, 4, device=device)
+
+    @torch.compile(backend=backend)
+    def outer(x):
+        return g(x) * 2 + bucketed(x) + _times_weight(x)
+
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 16, device=device)
+            torch.testing.assert_close(outer(x), m(x) * 3 + x @ w)
+        for h in (g, bucketed, _times_weight):
+            assert autograph.stats(h)["calls"] == 0, autograph.stats(h)
+        for _ in range(CALLS):
+            x = torch.randn(2, 16, device=device)
+            torch.testing.assert_close(g(x), m(x))
+    replayed(g)
+
+
+def test_graphed_calls_inside_torch_compile_trace_the_original():
+    check_graphed_calls_inside_torch_compile()

@@ -33,6 +33,7 @@ from ..test_guards import (
 )
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import (
+    check_graphed_calls_inside_torch_compile,
     check_output_building_failure_writes_once,
     check_outputs_viewing_bytes_as_another_dtype,
     check_size_outputs_stay_sizes,
@@ -762,6 +763,10 @@ def test_activation_checkpointing():
 
 def test_order_statistics_over_the_batch_turn_padding_off():
     check_order_statistics_over_the_batch_turn_padding_off(dev)
+
+
+def test_graphed_calls_inside_torch_compile_trace_the_original():
+    check_graphed_calls_inside_torch_compile(dev, backend="inductor")
 
 
 def test_global_named_like_an_attribute_keeps_the_graphs():

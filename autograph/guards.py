@@ -245,13 +245,15 @@ class Watch:
         """The parameters and buffers of the watched trees."""
         return map(_getitem, self._holders, self._names)
 
-    def storage_ptrs(self) -> set[int]:
-        """Storage addresses of the watched parameters, buffers and named tensors."""
-        out = {t.untyped_storage().data_ptr() for t in self.tensors()}
-        out.update(
-            v.untyped_storage().data_ptr() for _, v in self._refs if isinstance(v, torch.Tensor)
-        )
-        return out
+    def storage_ptrs(self, device: torch.device | None = None) -> set[int]:
+        """Storage addresses of the watched parameters, buffers and named tensors (with
+        ``device``, those that a graph on it reads at replay).  A host tensor read by a
+        device graph is left out: its value is baked in at capture (a 0-dim CPU tensor is a kernel's
+        scalar argument), so it is guarded as a hidden read, by version too."""
+        tensors = [*self.tensors(), *(v for _, v in self._refs if isinstance(v, torch.Tensor))]
+        host = device is not None and device.type != "cpu"
+        return {t.untyped_storage().data_ptr() for t in tensors
+                if not (host and t.device.type == "cpu")}
 
     # -- assignment hook plumbing ----------------------------------------------------
     def _register(self, ids: list[int]) -> None:

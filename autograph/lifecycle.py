@@ -80,7 +80,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     writes and reads, and whether graphs would get it wrong (``Warmed.problem``)."""
     args, kwargs = flat.call()
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
-                             _known(flat, watch)) if learn else None
+                             _known(flat, watch, device)) if learn else None
     watch.assigned = None
     host = _host_random_state(device) if learn else None
     hosts = counters.hold(flat)
@@ -136,14 +136,14 @@ def _check_objects(flat: Flat) -> None:
             raise Uncapturable(EagerReason.ASSIGNS, changed)
 
 
-def _known(flat: Flat, watch: Watch) -> set[int]:
+def _known(flat: Flat, watch: Watch, device: torch.device) -> set[int]:
     """Storages a graph may read without a guard of its own: the arguments' (with the
     tensors of object arguments, keyed by address), and the parameters', buffers' and
     named globals' (guarded by the watch)."""
     known = {storage_ptr(flat.leaves[i]) for i in flat.tensor_pos}
     if flat.objects:
         known.update(flat.object_storages())
-    known.update(watch.storage_ptrs())
+    known.update(watch.storage_ptrs(device))
     return known
 
 
@@ -212,7 +212,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         if t.numel():
             watched.setdefault(storage_ptr(t), []).append(-1 - n)
     hosts = counters.hold(flat)  # host counters: learned, put back, advanced by replays
-    known = (_known(flat, watch) | hosts.prepare(device)
+    known = (_known(flat, watch, device) | hosts.prepare(device)
              | {storage_ptr(b) for b in static.buffers if b.numel()})
     recorder = WriteRecorder(watched, known)
     footprint = Footprint(known, device)  # what the graph needs of the pool

@@ -779,3 +779,31 @@ def test_bucket_output_derived_from_the_batch_size_keeps_eager_values():
 
 def test_a_returned_torch_size_stays_a_torch_size():
     check_size_outputs_stay_sizes(dev)
+
+
+def test_host_buffer_and_global_of_a_device_model_written_in_place():
+    """A 0-dim CPU buffer of a CUDA model (and a CPU tensor global) is a kernel's scalar
+    argument, baked in at capture: written in place between calls, the graphs are
+    dropped and captured again, never replayed with the old value."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * self.scale + SHIFT
+
+    m = Scaled().to(dev).eval()
+    m.register_buffer("scale", torch.tensor(2.0))  # stays on the host
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(12):
+            if i in (6, 9):
+                m.scale.fill_(float(i))
+                SHIFT.add_(1.0)
+            x = torch.randn(4, 8, device=dev)
+            assert close(g(x), m.lin(x) * m.scale.item() + SHIFT.item())
+    need(g, 3)
+
+
+SHIFT = torch.tensor(0.0)

@@ -40,7 +40,7 @@ MAX_REMEMBERED = 8  # keys per memo; past it the oldest goes
 class Remembered:
     """The tensor part of one key, with the check that recognises it."""
 
-    __slots__ = ("check", "n", "parts", "tensor_pos", "device")
+    __slots__ = ("check", "n", "parts", "tensor_pos", "device", "shortcut", "bound")
 
     def __init__(self, check: Callable[..., bool], parts: tuple[Any, ...],
                  device: torch.device) -> None:
@@ -49,6 +49,10 @@ class Remembered:
         self.parts = parts
         self.tensor_pos = tuple(range(self.n))
         self.device = device
+        # the replay of the last key replayed with these tensors (shortcut.py), and
+        # what it was made from: (entry, runner, key)
+        self.shortcut: Callable[[tuple[Any, ...]], Any] | None = None
+        self.bound: tuple[Any, Any, Any] | None = None
 
 
 class KeyMemo:

@@ -112,6 +112,15 @@ def flag_names(kind: str) -> tuple[str, ...]:
 _readers: dict[torch.device, Callable[[], tuple[Any, ...]]] = {}
 
 
+def reader(device: torch.device) -> Callable[[], tuple[Any, ...]]:
+    """The function that reads ``modes(device)`` (bound once by a caller that reads
+    them for one device on every call)."""
+    read = _readers.get(device)
+    if read is None:
+        read = _readers.setdefault(device, _reader(device.type))
+    return read
+
+
 def modes(device: torch.device) -> tuple[Any, ...]:
     """What a graph on ``device`` bakes in of the global state, as one hashable tuple:
     ``(grad, inference, autocast dtype or False, numerics flags...)``.  Written out, not

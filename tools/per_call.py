@@ -1,5 +1,6 @@
-"""Per-call microseconds of a tiny MLP (4x256, batch 1, under ``no_grad`` as ``bench``) for the autograph
-found on ``PYTHONPATH``, against a hand-written CUDA graph in the same process.
+"""Per-call microseconds of a tiny MLP (4x256, batch 1, under ``no_grad`` as ``bench``)
+for the autograph found on ``PYTHONPATH``, against a hand-written CUDA graph in the
+same process.
 
 Run it for two checkouts in turn to compare them on one machine (issue 11's "before and
 after"): each process prints one JSON line with the medians of rounds interleaved across

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import lifecycle, recording, replay, shortcut, verify
+from . import lifecycle, recording, replay, shortcut, verify, vocab
 from . import stats as _stats
 from . import switch as _switch
 from .arguments import Misfit, no_misfit
@@ -44,8 +44,6 @@ _MISS = shortcut.MISS
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _functorch_active: Callable[[], bool] = getattr(
     torch._C, "_are_functorch_transforms_active", lambda: False)
-IN_TRANSFORM = "called inside a torch.func transform (vmap, grad, jacrev, functionalize)"
-INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.inference_mode)"
 
 # When a callable stops trying: this many new keys in a row without a replay (keys that
 # never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.
@@ -196,7 +194,7 @@ class Engine:
         if _nesting.active and _is_nested():
             raise Uncapturable(EagerReason.NESTED)
         if _functorch_active():  # its tensors are wrappers without storage to copy
-            raise Uncapturable(EagerReason.UNKEYABLE, IN_TRANSFORM)
+            raise Uncapturable(EagerReason.UNKEYABLE, vocab.IN_TRANSFORM)
         watch = self.watch
         if not watch.ok():  # first: the key reads the watched modules' training flags
             self.check_guards()
@@ -212,7 +210,7 @@ class Engine:
             if not self.trains:
                 raise Uncapturable(EagerReason.AUTOGRAD)
             if flat.inference():  # eager mode raises when autograd saves one
-                raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, INFERENCE_ARGUMENT)
+                raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.INFERENCE_ARGUMENT)
         if self.cache.inplace or self.cache.pinning:
             key = self.cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]

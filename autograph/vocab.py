@@ -126,3 +126,8 @@ class Uncapturable(Exception):
         super().__init__(f"{reason.message}: {detail}" if detail else reason.message)
         self.reason = reason
         self.detail = detail
+
+
+# details of eager reasons the engine gives (dispatch.py)
+IN_TRANSFORM = "called inside a torch.func transform (vmap, grad, jacrev, functionalize)"
+INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.inference_mode)"

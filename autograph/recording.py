@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # the engine calls in; this module never calls it at import
 # After this many keys given up after failed captures, with no replay ever, a callable
 # stops trying (``Engine.given_up``).
 GIVE_UP_FAILURES = 3
+# a plain graph under grad mode whose parameters require grad again (replay.unless_unfrozen)
+UNFROZEN = (EagerReason.WARMUP, "a parameter requires grad again: capturing again")
 
 
 def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
@@ -124,12 +126,14 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         grown = max(0, backend.memory_reserved(device) - before)
         nbytes = max(grown, captured.footprint) + captured.static.nbytes()
         # after an invalidation that keeps its behaviour, capture it again at once
-        entry.repeat = not flat.objects and engine.options.min_speedup is None and \
-            not engine.for_backward(key, flat)
-        return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start)
+        trains = engine.for_backward(key, flat)
+        entry.repeat = not flat.objects and engine.options.min_speedup is None and not trains
+        frozen = bool(key.modes[0]) and engine.trains and not trains
+        return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start,
+                     frozen)
 
 def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,
-          nbytes: int, seconds: float) -> Any:
+          nbytes: int, seconds: float, frozen: bool = False) -> Any:
     stats = engine.stats
     budget = engine.options.max_graph_memory
     if budget is not None and nbytes > budget:
@@ -141,6 +145,8 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
     entry.graph = captured
     run = captured.runner()
+    if frozen:  # a plain graph under grad mode: until a parameter requires grad again
+        run = replay.unless_unfrozen(run, captured, engine.watch, UNFROZEN)
     if engine.options.min_speedup is not None:
         run = gate.trial(engine.cache, entry, run, engine.options.min_speedup, stats.name)
     entry.run = run

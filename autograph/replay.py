@@ -26,8 +26,8 @@ class Captured:
     """A captured graph with everything its replay needs."""
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
-                 "state_written", "inplace", "reuse", "_holders", "footprint", "effects")
-    held_reason: Any = None  # why the runner returned HELD, when not outputs="reuse"
+                 "state_written", "inplace", "reuse", "_holders", "footprint", "effects",
+                 "held_reason")
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,
@@ -48,6 +48,8 @@ class Captured:
         self.footprint = 0  # peak bytes of the tensors the capture made (footprint.py)
         # host counters of object arguments: filled before, advanced after a replay
         self.effects: Any = None
+        # why the runner returned HELD, when not outputs="reuse" (see ``unless_unfrozen``)
+        self.held_reason: Any = None
 
     def holders(self) -> tuple[tuple[int, int], ...]:
         """(storage handle, use count with no output handed out) per pool storage that
@@ -191,3 +193,23 @@ class Captured:
                 return build(leaves)
 
         return run
+
+
+def unless_unfrozen(run: Callable[[Any], Any], captured: Captured, watch: Any,
+                    reason: Any) -> Callable[[Any], Any]:
+    """``run`` for a plain graph captured under grad mode while nothing required grad
+    (a frozen model called without ``no_grad``): once a parameter or buffer that
+    ``watch`` guards requires grad again (``requires_grad_()`` calls no hook), autograd
+    must record the call, so the runner returns :data:`HELD` (the call runs eagerly,
+    counted as ``reason``) and marks the watch dirty: the next call drops the graphs and
+    captures a training graph."""
+    requires_grad = watch.requires_grad
+
+    def run_frozen(leaves: Any) -> Any:
+        if requires_grad():
+            watch.dirty = True
+            captured.held_reason = reason
+            return HELD
+        return run(leaves)
+
+    return run_frozen

@@ -261,6 +261,33 @@ def test_freezing_a_parameter_captures_again():
     assert "backward_unsupported" not in stats["eager_reasons"]
 
 
+def test_a_frozen_model_unfrozen_records_again():
+    check_frozen_model_unfrozen("cpu")
+
+
+def check_frozen_model_unfrozen(device):
+    """Fine-tuning after a frozen phase: calls under grad mode while nothing required
+    grad replayed a plain graph; once the parameters require grad again, the outputs
+    require grad and the gradients are eager's (they had no grad_fn)."""
+    m = mlp().to(device).requires_grad_(False)
+    g = autograph.graphed(copy.deepcopy(m))
+    x = torch.randn(2, 8, device=device)
+    for model in (m, g):
+        for _ in range(5):
+            assert not model(x).requires_grad
+    assert autograph.stats(g)["replays"] >= 2
+    for model in (m, g):
+        model.requires_grad_(True)
+        for _ in range(5):
+            model.zero_grad(set_to_none=True)
+            out = model(x)
+            assert out.requires_grad
+            out.square().sum().backward()
+    for p, q in zip(m.parameters(), g.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
+    assert autograph.stats(g)["backward_replays"] >= 1
+
+
 def tensor_hook(x):
     h = x * 2
     h.register_hook(lambda grad: grad * 3)

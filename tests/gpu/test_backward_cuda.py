@@ -24,7 +24,7 @@ from torch import nn
 
 import autograph
 
-from ..test_backward import check_double_backward
+from ..test_backward import check_double_backward, check_frozen_model_unfrozen
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -243,3 +243,7 @@ def test_grad_mode_inference_loop_keeping_outputs_replays():
 @pytest.mark.parametrize("norm", [False, True])
 def test_double_backward_of_a_physics_informed_loss_equals_eager(norm):
     check_double_backward(norm, "cuda", batch=32)
+
+
+def test_a_frozen_model_unfrozen_records_again():
+    check_frozen_model_unfrozen("cuda")

@@ -70,7 +70,6 @@ class Engine:
         self.cache = GraphCache(options, stats)
         self.ranks: Ranks | None = None
         self._device: tuple[Any, Backend | None, Callable[[], bool]] = (None, None, bool)
-        self.memo = KeyMemo()  # leaf keys of recent plain calls (memo.py)
         self.labels = {what: f"autograph.{what} {stats.name}"
                        for what in ("replay", "capture", "warmup", "eager")}
         self._use_options(options)
@@ -87,6 +86,7 @@ class Engine:
         self.options = self.cache.options = options
         self.ranks = Ranks(options.group) if options.group is not None else None
         self.trains = options.backward and self.ranks is None  # graphs under autograd
+        self.memo = KeyMemo()  # its shortcuts were made under the options before
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did

@@ -3,11 +3,11 @@
 Most replayed calls repeat the last one exactly: the same tensor shapes, strides and
 dtypes, the same modes.  The full path (``Engine.dispatch``) keys such a call from
 scratch, builds a :class:`~autograph.keys.GraphKey`, hashes it and looks its entry up.
-A :class:`Shortcut` is made after a replay of plain positional tensors with autograd
-off, and kept on the key memo's :class:`~autograph.memo.Remembered` that recognised the
-tensors: it holds what the rest of that key was (modes, training flags, aliasing) and
-the entry's runner, so that the next call the memo recognises compares those few
-values and replays the same runner directly.
+A shortcut is made after a replay of plain positional tensors, and kept on the key
+memo's :class:`~autograph.memo.Remembered` that recognised the tensors: it holds what
+the rest of that key was (modes, training flags, aliasing) and the entry's runner, so
+that the next call the memo recognises compares those few values and replays the same
+runner directly.
 
 What a shortcut checks is what the full path would read for that call, in one
 function: the kill switch, a given-up callable, nesting, ``torch.func`` transforms, a
@@ -17,8 +17,13 @@ stream, the modes and flags (``modes.modes``), the training flags, the aliasing 
 the tensors, no argument keyed by its address (``GraphCache.inplace``/``pinning``), and
 the entry still holding the runner (an evicted, dropped or recaptured graph has
 another).  When anything differs it answers :data:`MISS` and the full path runs, which
-may make a new shortcut.  Calls under grad mode, with keyword arguments, containers,
-objects, a process group or ``verify_every`` never take one.
+may make a new shortcut; so does a runner that returns :data:`~autograph.replay.HELD`
+(an output or saved state still held) or raises.  Calls with keyword arguments,
+containers, objects, a process group, buckets or ``verify_every`` never take one, nor
+calls under grad mode where training graphs are off (``backward=False``: the full path
+runs those eagerly while a parameter requires grad) or with an inference tensor (the
+memo's check tells inference tensors apart, so a shortcut made without one is never
+taken with one).
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ def learn(engine: Engine, args: tuple[Any, ...], key: GraphKey, flat: Flat, entr
           run: Callable[[Any], Any]) -> None:
     """After a replay of ``key`` by the full path: leave its shortcut on the memo's
     record of these tensors, where one applies and it is not there already."""
-    if (key.modes[0] or engine.ranks is not None or engine.verify_every is not None
+    if ((key.modes[0] and (not engine.trains or flat.inference()))
+            or engine.ranks is not None or engine.verify_every is not None
             or engine.options.buckets  # a bucketer calls ``dispatch``: never a shortcut
             or flat.spec is not None or flat.kw_names or flat.objects or key.written
             or type(key.structure) is not int or len(flat.tensor_pos) != key.structure

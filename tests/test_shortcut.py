@@ -3,6 +3,7 @@ same tensors replays without keying it anew, and anything the key or the guards 
 that changes sends it back to the full path.  Each test first makes the shortcut
 replay, then changes one thing and checks the result against eager."""
 
+import copy
 import os
 
 import pytest
@@ -199,3 +200,55 @@ def check_held_output(counted, device):
         g(torch.randn(2, 4, device=device))  # nor the view held alone
     torch.testing.assert_close(view, view_value)
     assert autograph.stats(g)["outputs_protected"] >= 2
+
+
+def test_training_calls_take_the_shortcut_with_exact_gradients(counted):
+    check_training_calls(counted, "cpu")
+
+
+def check_training_calls(counted, device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+    reference = copy.deepcopy(model)
+    g = autograph.graphed(model)
+    full = 0
+    for step in range(14):
+        x = torch.randn(3, 4, device=device)
+        if step == 11:
+            full = len(counted)
+        if step == 5:
+            for m in (model, reference):  # frozen: its gradient is None, as in eager
+                m[0].weight.requires_grad_(False)
+        for m, call in ((model, g), (reference, reference)):
+            m.zero_grad(set_to_none=True)
+            call(x).square().sum().backward()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad)
+    assert autograph.stats(g)["backward_replays"] >= 5
+    assert len(counted) == full  # the last replays, after the recapture, took the shortcut
+
+
+def test_an_inference_tensor_in_grad_mode_raises_as_eager(counted):
+    model = nn.Linear(4, 4)
+    g = warmed(model, torch.randn(2, 4))
+    with torch.inference_mode():
+        x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError):
+        model(x).sum().backward()
+    with pytest.raises(RuntimeError):
+        g(x).sum().backward()
+
+
+def test_unfrozen_parameters_without_training_graphs_run_eagerly(counted):
+    model = nn.Linear(4, 4).requires_grad_(False)
+    g = autograph.graphed(model, backward=False)
+    x = torch.randn(2, 4)
+    for _ in range(5):
+        g(x)  # grad mode, nothing requires grad: plain graphs replay
+    assert autograph.stats(g)["replays"] >= 2
+    model.requires_grad_(True)  # now autograd records: eager, as backward=False says
+    g(x).sum().backward()
+    torch.testing.assert_close(model.weight.grad, x.sum(0).expand(4, 4))
+    assert autograph.stats(g)["eager_reasons"].get("autograd", 0) == 1

@@ -16,6 +16,7 @@ from ..test_shortcut import (
     check_evicted_graph,
     check_held_output,
     check_repeated_calls,
+    check_training_calls,
     counted,  # noqa: F401 - the fixture
     warmed,
 )
@@ -43,6 +44,10 @@ def test_evicted_graph(counted):  # noqa: F811
 
 def test_held_output(counted):  # noqa: F811
     check_held_output(counted, "cuda")
+
+
+def test_training_calls(counted):  # noqa: F811
+    check_training_calls(counted, "cuda")
 
 
 def test_a_call_inside_a_users_capture_runs_eagerly(counted):  # noqa: F811

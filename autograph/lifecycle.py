@@ -104,7 +104,10 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         _check_objects(flat)
         problem = None
     except Uncapturable as exc:
-        problem = exc
+        # kept without its traceback: its frames (these locals hold the outputs, the
+        # callers' the engine) would make a cycle that keeps the engine and its graphs
+        # alive until a collection, which may come during another capture
+        problem = exc.with_traceback(None)
     hosts.settle()
     if recorder is None:
         return Warmed(out, set(), [], None, seconds, problem)

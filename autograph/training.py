@@ -45,7 +45,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         try:
             lifecycle._check_objects(flat)  # the check that warm stopped before
         except Uncapturable as exc:
-            problem = exc
+            problem = exc.with_traceback(None)  # kept: its frames would make a cycle
         if problem is None and inner:  # its own backward would run once, at capture
             problem = Uncapturable(UNSUPPORTED, "the call runs a backward inside and "
                                    "returns a tensor that requires grad")

@@ -7,6 +7,8 @@ overwritten saved state differs from eager's and fails these tests.
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -286,6 +288,28 @@ def check_frozen_model_unfrozen(device):
     for p, q in zip(m.parameters(), g.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
     assert autograph.stats(g)["backward_replays"] >= 1
+
+
+def test_training_graphs_are_freed_without_a_collection():
+    """A training warmup's check raised (and kept) an exception whose traceback held the
+    engine's frames: a cycle that kept the graphs alive until the garbage collector ran
+    (on CUDA, during a user's own capture, invalidating it)."""
+
+    def trained() -> weakref.ref:
+        m = mlp()
+        g = autograph.graphed(m)
+        for _ in range(5):
+            g(torch.randn(2, 8)).sum().backward()
+        assert autograph.stats(g)["backward_replays"] >= 1
+        return weakref.ref(m)
+
+    trained()  # the first capture's lazy imports leave garbage of their own
+    gc.collect()
+    gc.disable()
+    try:
+        assert trained()() is None  # freed when the caller drops it
+    finally:
+        gc.enable()
 
 
 def tensor_hook(x):

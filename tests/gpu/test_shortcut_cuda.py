@@ -59,6 +59,8 @@ def test_a_call_inside_a_users_capture_runs_eagerly(counted):  # noqa: F811
         full = len(counted)
         outer = torch.cuda.CUDAGraph()
         static = x.clone()
+        # no gc.collect() first: a graph freed by a collection during the capture
+        # would invalidate it (training graphs were kept by a cycle until one ran)
         with torch.cuda.graph(outer):
             out = g(static)  # captured into the user's graph, not a replay of ours
         static.copy_(torch.randn(2, 4, device="cuda"))

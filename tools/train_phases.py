@@ -1,0 +1,104 @@
+"""Where a training step's time goes: autograph against ``make_graphed_callables``.
+
+``bench_train``'s policy MLP at one batch size, one AdamW step per step.  Prints, per
+method, the host microseconds of each phase (``zero_grad``, forward, loss, backward,
+optimizer step; host clock only, no synchronization inside a step), the wall time of
+a step (synchronized over many steps), and from one profiled step the number of
+device kernels and their summed device time.  Needs CUDA.
+
+    PYTHONPATH=. python tools/train_phases.py [--batch 1] [--steps 300]
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import autograph
+from autograph.cli.bench_train import optimizer_for, policy
+
+PHASES = ("zero_grad", "forward", "loss", "backward", "step")
+
+
+def make(method, model, x):
+    if method == "autograph":
+        return autograph.graphed(model)
+    if method == "autograph reuse":
+        return autograph.graphed(model, outputs="reuse")
+    return torch.cuda.make_graphed_callables(model, (x.clone(),))
+
+
+def run_step(forward, opt, x, y, clock, times):
+    t0 = clock()
+    opt.zero_grad(set_to_none=True)
+    t1 = clock()
+    out = forward(x)
+    t2 = clock()
+    loss = nn.functional.mse_loss(out, y)
+    t3 = clock()
+    loss.backward()
+    t4 = clock()
+    opt.step()
+    t5 = clock()
+    if times is not None:
+        for name, a, b in zip(PHASES, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5)):
+            times[name].append((b - a) * 1e6)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("train_phases: needs CUDA; nothing to measure here")
+        return
+    torch.manual_seed(0)
+    base = policy().cuda()
+    x = torch.randn(a.batch, 64, device="cuda")
+    y = torch.randn(a.batch, 16, device="cuda")
+    methods = {}
+    for name in ("autograph", "autograph reuse", "make_graphed_callables"):
+        model = copy.deepcopy(base)
+        opt, _ = optimizer_for(model.parameters())
+        forward = make(name, model, x)
+        for _ in range(6):
+            run_step(forward, opt, x, y, time.perf_counter, None)
+        methods[name] = (forward, opt)
+    host = {name: {p: [] for p in PHASES} for name in methods}
+    wall = {name: [] for name in methods}
+    for _ in range(a.rounds):
+        for name, (forward, opt) in methods.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(a.steps):
+                run_step(forward, opt, x, y, time.perf_counter, host[name])
+            torch.cuda.synchronize()
+            wall[name].append((time.perf_counter() - start) / a.steps * 1e6)
+    print(f"batch {a.batch}, {a.steps} steps x {a.rounds} rounds; host µs per phase "
+          "(median), wall µs per step (median of rounds), device kernels of one step")
+    print(f"{'method':24s} " + " ".join(f"{p:>9s}" for p in PHASES)
+          + f" {'host sum':>9s} {'wall':>8s} {'kernels':>8s} {'device µs':>9s}")
+    for name, (forward, opt) in methods.items():
+        med = [statistics.median(host[name][p]) for p in PHASES]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_step(forward, opt, x, y, time.perf_counter, None)
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device_us = sum(e.device_time for e in kernels)
+        print(f"{name:24s} " + " ".join(f"{m:9.1f}" for m in med)
+              + f" {sum(med):9.1f} {statistics.median(wall[name]):8.1f} {len(kernels):8d}"
+              f" {device_us:9.1f}")
+    for name, (forward, _) in methods.items():
+        if name.startswith("autograph"):
+            s = autograph.stats(forward)
+            print(name, {k: s[k] for k in ("replays", "backward_replays", "eager",
+                                           "eager_reasons", "backward_spills")})
+
+
+if __name__ == "__main__":
+    main()

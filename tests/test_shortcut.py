@@ -82,8 +82,9 @@ def check_change(change, counted, monkeypatch, device):
     x = torch.randn(2, 4, device=device)
     with torch.no_grad():
         g = warmed(model, x)
-        g(x)
         full = len(counted)
+        g(x)
+        assert len(counted) == full  # the shortcut replayed, before the change
         undo = _apply(change, model, monkeypatch, device)
         try:
             y = x if change != "shape" else torch.randn(3, 4, device=device)
@@ -142,6 +143,8 @@ def check_aliased_arguments(counted, device):
         for _ in range(5):
             f(torch.ones(3, device=device), torch.ones(3, device=device))
         full = len(counted)
+        f(torch.ones(3, device=device), torch.ones(3, device=device))
+        assert len(counted) == full  # the shortcut replayed
         a = torch.ones(3, device=device)
         out = f(a, a.view(3))  # a view: the memo's tensor check tells only ``a, a``
     torch.testing.assert_close(out, torch.full((3,), 10.0, device=device))
@@ -159,6 +162,9 @@ def check_evicted_graph(counted, device):
     with torch.no_grad():
         for _ in range(5):
             g(x)
+        full = len(counted)
+        g(x)
+        assert len(counted) == full  # the shortcut replayed
         for _ in range(3):
             g(y)  # captured: x's graph is evicted
         assert autograph.stats(g)["evictions"] == 1

@@ -55,8 +55,9 @@ def test_a_call_inside_a_users_capture_runs_eagerly(counted):  # noqa: F811
     x = torch.randn(2, 4, device="cuda")
     with torch.no_grad():
         g = warmed(model, x)
-        g(x)
         full = len(counted)
+        g(x)
+        assert len(counted) == full  # the shortcut replayed, before the capture
         outer = torch.cuda.CUDAGraph()
         static = x.clone()
         # no gc.collect() first: a graph freed by a collection during the capture

@@ -10,11 +10,12 @@ or an equal scalar of the same type).  ``guards.Watch`` compares them per call.
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -135,3 +136,22 @@ def changed_attribute(before: list[tuple[str, Any]], now: list[tuple[str, Any]] 
         if name != other or not same(value, then):
             return other
     return None
+
+
+def config_dicts(modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
+    """The ``__dict__`` of each plain configuration object the modules hold: the object
+    at a module's ``config`` attribute (transformers' models and layers read their flags
+    there: ``self.config.output_hidden_states``) and dataclass instances in module
+    attributes, once each.  A graph replays the decisions taken from them at capture,
+    and changing them sets no module attribute, so ``guards.Watch`` compares each with
+    a shallow copy on every call."""
+    found: dict[int, dict[str, Any]] = {}
+    for m in modules:
+        for name, value in vars(m).items():
+            if name.startswith("_") or isinstance(value, (nn.Module, torch.Tensor, type)):
+                continue
+            if name == "config" or dataclasses.is_dataclass(value):
+                d = getattr(value, "__dict__", None)
+                if isinstance(d, dict):
+                    found.setdefault(id(value), d)
+    return list(found.values())

@@ -23,8 +23,12 @@ were taken while it was captured.  A :class:`Watch` guards one graphed callable:
   eagerly while a hook is registered, and replay again once it is removed.  A backward
   hook registered later drops the graphs (a training graph checks for them at capture).
 
-What cannot be seen: state reached through other objects (``self.config.scale``),
-globals read by helper functions, writes straight into ``module.__dict__``, into
+* Plain configuration objects held by the watched modules (the object at a module's
+  ``config`` attribute, dataclass instances) are compared with a shallow copy on every
+  call (``coderefs.config_dicts``).
+
+What cannot be seen: state reached through other objects (``self.helper.scale``;
+nested values inside a configuration object), globals read by helper functions, writes straight into ``module.__dict__``, into
 ``_parameters`` at the same address with another shape, or into a module's hook
 dictionaries.  ``reset()`` drops a callable's graphs by hand.
 """
@@ -41,7 +45,7 @@ import torch
 from torch import nn
 
 from . import notify
-from .coderefs import changed_attribute, code_refs, owner_refs, same
+from .coderefs import changed_attribute, code_refs, config_dicts, owner_refs, same
 from .steps import StepGuard
 
 _Module = nn.Module
@@ -79,6 +83,7 @@ class Watch:
         self._ptrs: list[int] = []
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
+        self._configs: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (live, copy)
         self._owned = 0
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
@@ -112,6 +117,7 @@ class Watch:
                         names.append(name)
         self._holders, self._names = holders, names
         self._refs = refs
+        self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
         self._ptrs = self._current_ptrs()
         self._all = list(range(len(self._ptrs)))
         # a method's own module runs no hooks of its own (its forward is called, not
@@ -147,9 +153,19 @@ class Watch:
         for get, value in self._refs:
             if not same(get(), value):
                 return False
+        if self._configs and not self._configs_same():
+            return False
         if self.steps.active and not self.steps.ok():
             return False
         return not self._hidden or self._hidden_same()
+
+    def _configs_same(self) -> bool:
+        """Whether each configuration object still holds what it held (``config_dicts``;
+        a value whose comparison raises, a tensor, counts as changed)."""
+        try:
+            return all(live == copy for live, copy in self._configs)
+        except Exception:  # noqa: BLE001
+            return False
 
     def slots(self) -> list[tuple[dict[str, Any], str]]:
         """Where each watched parameter and buffer is held: its module's dict, its name."""

@@ -1,6 +1,8 @@
 """Python state that graphs bake in never goes stale: parameters, attributes, globals."""
 
 import copy
+import dataclasses
+import types
 
 import pytest
 import torch
@@ -515,3 +517,71 @@ def check_plain_object_method_reads_its_attributes(device="cpu"):
 
 def test_a_plain_object_method_reads_its_attributes(standin):
     check_plain_object_method_reads_its_attributes()
+
+
+@dataclasses.dataclass
+class Opts:
+    scale: float = 2.0
+    shift: bool = False
+
+
+class Configured(nn.Module):
+    """Reads its flags from plain objects, as transformers' layers read ``self.config``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.config = types.SimpleNamespace(double=False)
+        self.opts = Opts()
+
+    def forward(self, x):
+        y = self.lin(x) * self.opts.scale
+        if self.opts.shift:
+            y = y + 1
+        return y * 2 if self.config.double else y
+
+
+@pytest.mark.parametrize("change", ["config", "dataclass", "dataclass flag", "none"])
+def test_configuration_objects_are_guarded(change):
+    check_configuration_objects_are_guarded(change)
+
+
+def check_configuration_objects_are_guarded(change, device="cpu"):
+    model = Configured().to(device)
+    g = autograph.graphed(model)
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():
+        for _ in range(5):
+            g(x)
+        replays = autograph.stats(g)["replays"]
+        if change == "config":
+            model.config.double = True
+        elif change == "dataclass":
+            model.opts.scale = 3.0
+        elif change == "dataclass flag":
+            model.opts.shift = True
+        for _ in range(5):
+            torch.testing.assert_close(g(x), model(x))
+    stats = autograph.stats(g)
+    assert stats["invalidations"] == (change != "none")
+    assert stats["replays"] >= replays + 2  # replays again (no invalidation per call)
+
+
+def test_a_transformers_config_flag_is_guarded():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    g = autograph.graphed(model)
+    ids = torch.randint(0, 64, (1, 8))
+    with torch.no_grad():
+        for _ in range(5):
+            g(ids, use_cache=False)
+        assert autograph.stats(g)["replays"] >= 2
+        model.config.output_hidden_states = True  # read in the forward, at capture
+        got, want = g(ids, use_cache=False), model(ids, use_cache=False)
+    assert list(got.keys()) == list(want.keys()) == ["logits", "hidden_states"]
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b)

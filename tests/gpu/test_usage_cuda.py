@@ -19,6 +19,7 @@ from torch.nn.utils import parametrize
 import autograph
 
 from ..test_backward import check_checkpointing
+from ..test_guards import check_configuration_objects_are_guarded
 from ..test_usage import counts, one, replayed  # the CPU file's counting helpers
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -684,3 +685,8 @@ def test_outputs_sharing_a_storage_share_it_after_a_replay_too():
             a.fill_(5)
             assert (c == 5).all() and (d == 5).all()
     replayed(g)
+
+
+@pytest.mark.parametrize("change", ["config", "dataclass", "dataclass flag", "none"])
+def test_configuration_objects_are_guarded(change):
+    check_configuration_objects_are_guarded(change, "cuda")

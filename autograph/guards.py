@@ -28,9 +28,10 @@ were taken while it was captured.  A :class:`Watch` guards one graphed callable:
   call (``coderefs.config_dicts``).
 
 What cannot be seen: state reached through other objects (``self.helper.scale``;
-nested values inside a configuration object), globals read by helper functions, writes straight into ``module.__dict__``, into
-``_parameters`` at the same address with another shape, or into a module's hook
-dictionaries.  ``reset()`` drops a callable's graphs by hand.
+nested values inside a configuration object), globals read by helper functions,
+writes straight into ``module.__dict__``, into ``_parameters`` at the same address
+with another shape, or into a module's hook dictionaries.  ``reset()`` drops a
+callable's graphs by hand.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import gradgraph, recompute, replay
-from .capture import Backend, Pool
+from .capture import Backend, OnPool
 from .flat import size_leaf
 from .gradgraph import GradGraph, copy_all
 from .guards import Watch
@@ -58,25 +58,6 @@ from .vocab import EagerReason
 
 _HELD = replay.HELD
 _TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
-
-
-class _OnPool:
-    """A backend whose captures and replays use one given pool (a training graph's own)."""
-
-    def __init__(self, backend: Backend, pool: Pool) -> None:
-        self._backend = backend
-        self._pool = pool
-        self.order_replay = backend.order_replay  # per call: not through __getattr__
-
-    def capture(self, device: torch.device, fn: Callable[[], Any],
-                pool: Pool | None = None, rng_free: bool = False) -> Any:
-        return self._backend.capture(device, fn, self._pool, rng_free=rng_free)
-
-    def pool(self, device: torch.device) -> Pool:
-        return self._pool
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
 
 
 class _Call:
@@ -98,7 +79,7 @@ class Trained(replay.Captured):
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached")
 
-    def __init__(self, base: replay.Captured, backend: _OnPool, watch: Watch,
+    def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
                  spill_set: list[torch.Tensor] | None, reuse: bool = False) -> None:
         super().__init__(base.graph, base.static, base.build, cast(Backend, backend),

@@ -79,6 +79,27 @@ class Backend(Protocol):
     def synchronize(self, device: torch.device) -> None: ...
 
 
+class OnPool:
+    """A backend whose captures and replays use one given pool: a training graph's own,
+    or an ``outputs="reuse"`` graph's (its outputs are handed out, so no other graph
+    may reuse their memory, as graphs sharing a pool do with what an earlier one freed)."""
+
+    def __init__(self, backend: Backend, pool: Pool) -> None:
+        self._backend = backend
+        self._pool = pool
+        self.order_replay = backend.order_replay  # per call: not through __getattr__
+
+    def capture(self, device: torch.device, fn: Callable[[], Any],
+                pool: Pool | None = None, rng_free: bool = False) -> Any:
+        return self._backend.capture(device, fn, self._pool, rng_free=rng_free)
+
+    def pool(self, device: torch.device) -> Pool:
+        return self._pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
 class CudaBackend:
     """Real CUDA graphs: one side stream and one memory pool per device."""
 

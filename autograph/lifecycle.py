@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from . import counters
 from .buffers import StaticInputs, output_builder
-from .capture import Backend
+from .capture import Backend, OnPool
 from .flat import Flat
 from .footprint import Footprint
 from .guards import Watch, running
@@ -205,7 +205,12 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     """Capture the call on static buffers (arguments at ``inplace`` at the caller's own
     address).  Nothing has run when it returns: the first replay produces the result.
     ``rng_free``: its warmup drew no random numbers; capture it without the device's
-    generator (``Backend.capture``), or raise :class:`RandomFound` if it draws some."""
+    generator (``Backend.capture``), or raise :class:`RandomFound` if it draws some.
+    ``reuse``: the outputs are handed out, so the graph gets a pool of its own (in the
+    shared one, a later graph could place its outputs in memory this one writes)."""
+    reuse = reuse and use_count is not None  # no use counts in this torch: clone
+    if reuse:
+        backend = OnPool(backend, backend.private_pool(device))
     leaves = list(flat.leaves)
     static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
     args, kwargs = flat.rebuild(static.substitute(leaves))
@@ -255,7 +260,6 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)
-    reuse = reuse and use_count is not None  # no use counts in this torch: clone
     build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse, aliases)
     _try_build(build, leaves)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]

@@ -21,8 +21,8 @@ import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
 from . import gradgraph, lifecycle, replay
-from .backward import Trained, _OnPool
-from .capture import Backend
+from .backward import Trained
+from .capture import Backend, OnPool
 from .flat import Flat
 from .guards import Watch
 from .mutation import storage_ptr
@@ -152,7 +152,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
             out = seen["out"] = fn(*args, **kwargs)
         return out
 
-    on_pool = _OnPool(backend, backend.private_pool(device))
+    on_pool = OnPool(backend, backend.private_pool(device))
     # outputs cloned one by one: views of one copy returned by the autograd Function
     # would be views created inside a custom Function (in-place on them raises)
     base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]

@@ -143,3 +143,18 @@ def test_region_and_validation():
         autograph.graphed(outputs="share")
     with pytest.raises(ValueError, match="outputs"):
         autograph.capture_region(outputs=None)  # type: ignore[arg-type]
+
+
+def test_each_reuse_graph_has_a_pool_of_its_own(standin):
+    """Graphs sharing a pool may place an output in memory another graph writes; the
+    outputs of reuse graphs are handed out, so none shares a pool (GPU test:
+    tests/gpu/test_reuse_cuda.py::test_an_output_held_across_other_keys_keeps_its_values)."""
+    g = autograph.graphed(mlp(), warmup=0, outputs="reuse")
+    plain = autograph.graphed(mlp(), warmup=0)
+    with torch.no_grad():
+        for rows in (2, 3):
+            g(torch.randn(rows, 8))
+        plain(torch.randn(2, 8))
+    reuse_pools, shared = standin.pools_used[:2], standin.pools_used[2]
+    assert reuse_pools[0] is not reuse_pools[1]
+    assert shared not in reuse_pools and shared is standin.pool(torch.device("cpu"))

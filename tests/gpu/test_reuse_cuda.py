@@ -90,3 +90,36 @@ def test_default_mode_unchanged():
         torch.testing.assert_close(out2, m(x2), **TOL)
     s = autograph.stats(g)
     assert s["replays"] == 1 and s["outputs_protected"] == 0
+
+
+def deep_mlp():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    return nn.Sequential(*layers).cuda().eval()
+
+
+@pytest.mark.parametrize("outputs", ["clone", "reuse"])
+@pytest.mark.parametrize("order", [(1, 2), (2, 1), (1, 4, 2)])
+def test_an_output_held_across_other_keys_keeps_its_values(outputs, order):
+    """A graph captured after another may place its output in memory the other frees
+    (graphs share a pool): that graph's replays must not write an output still held."""
+    model = deep_mlp()
+    g = autograph.graphed(model, warmup=1, outputs=outputs)
+    with torch.no_grad():
+        for rows in order:
+            for _ in range(3):
+                g(torch.randn(rows, 256, device="cuda"))
+        for rows in order:
+            x = torch.randn(rows, 256, device="cuda")
+            held, want = g(x), model(x)
+            for other in order:
+                if other != rows:
+                    for _ in range(3):
+                        g(torch.randn(other, 256, device="cuda"))
+            torch.cuda.synchronize()
+            torch.testing.assert_close(held, want)
+            del held
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 * len(order) and s["outputs_protected"] == 0

@@ -79,6 +79,7 @@ def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, A
     captures, seconds, memory = stats.captures, stats.capture_seconds, stats.graph_bytes
     calls = engine.options.warmup + 3  # warmups, the capture, and a first-call probe
     reason, bucket = "", None
+    known = {id(e.graph) for e in engine.cache.entries.values()}
     for _ in range(calls):
         eager, replays, hits = stats.eager, stats.replays, _hits(stats)
         fn(*args, **kwargs)
@@ -94,6 +95,8 @@ def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, A
             reason = "already captured"
             break
     captured = stats.captures > captures
+    if captured:
+        _fill_variants(engine, known)
     entry: dict[str, Any] = {"what": label}
     if engine.options.buckets:
         entry["bucket"] = bucket
@@ -103,6 +106,15 @@ def _capture(fn: Any, engine: Engine, args: tuple[Any, ...], kwargs: dict[str, A
         entry["reason"] = reason or "not captured"
     logger.debug("%s: warmup %s: %s", stats.name, label, entry)
     return entry
+
+
+def _fill_variants(engine: Engine, known: set[int]) -> None:
+    """Capture the output variants (rotation.py) of the graphs this call captured, under
+    its modes, so that traffic does not capture them later."""
+    for entry in list(engine.cache.entries.values()):
+        graph = entry.graph
+        if graph is not None and id(graph) not in known and graph.rotation is not None:
+            graph.rotation.fill()
 
 
 def _hits(stats: Stats) -> dict[int, int]:

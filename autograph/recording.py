@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import gate, lifecycle, replay, training
+from . import gate, lifecycle, replay, rotation, training
 from .cache import Entry
 from .capture import Backend
 from .flat import Flat
@@ -108,6 +108,8 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             raise
         if entry.contained:  # a whole step: its gradients may live in the graph's pool
             engine.watch.steps.add_grads(engine.watch.tensors())
+        elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
+            rotation.rotate(captured, engine.fn, flat, engine.watch, entry.draws is False)
         try:
             result = captured.runner()(flat.leaves)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
@@ -125,6 +127,8 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         # freed (the pool did not grow), plus its static inputs
         grown = max(0, backend.memory_reserved(device) - before)
         nbytes = max(grown, captured.footprint) + captured.static.nbytes()
+        if captured.rotation is not None:  # output variants, once captured (rotation.py)
+            nbytes += captured.rotation.nbytes
         # after an invalidation that keeps its behaviour, capture it again at once
         trains = engine.for_backward(key, flat)
         entry.repeat = not flat.objects and engine.options.min_speedup is None and not trains

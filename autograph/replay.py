@@ -27,7 +27,7 @@ class Captured:
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
                  "state_written", "inplace", "reuse", "_holders", "footprint", "effects",
-                 "held_reason")
+                 "held_reason", "rotation")
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,
@@ -50,6 +50,7 @@ class Captured:
         self.effects: Any = None
         # why the runner returned HELD, when not outputs="reuse" (see ``unless_unfrozen``)
         self.held_reason: Any = None
+        self.rotation: Any = None  # rotation.Rotation: outputs without a host copy
 
     def holders(self) -> tuple[tuple[int, int], ...]:
         """(storage handle, use count with no output handed out) per pool storage that
@@ -111,7 +112,11 @@ class Captured:
                     replay()
                     return clone()
 
-            return run_one
+            def prepare_one(leaves: Any) -> None:
+                order(device, pool)
+                copy(leaves[pos])
+
+            return self._rotating(run_one, prepare_one)
         if single is not None and not static.positions:
             # every argument at its own address (a padded call's buffers): no copy in
             clone_only = single.clone
@@ -122,7 +127,7 @@ class Captured:
                     replay()
                     return clone_only()
 
-            return run_none
+            return self._rotating(run_none, lambda _leaves: order(device, pool))
         copy_in = static.copy_in
 
         def run(leaves: Any) -> Any:
@@ -132,7 +137,19 @@ class Captured:
                 replay()
                 return build(leaves)
 
-        return run
+        def prepare(leaves: Any) -> None:
+            order(device, pool)
+            copy_in(leaves)
+
+        return self._rotating(run, prepare) if single is not None else run
+
+    def _rotating(self, run: Callable[[Any], Any], prepare: Callable[[Any], None]
+                  ) -> Callable[[Any], Any]:
+        """``run``, or where the graph has output variants (``rotation``) their runner,
+        with ``run`` where no variant is free."""
+        if self.rotation is None:
+            return run
+        return self.rotation.runner(run, prepare, self.pool.lock)  # type: ignore[no-any-return]
 
     def rows_runner(self, dim: int, size: int, real: int) -> Callable[[Any], Any] | None:
         """For a call padded from ``real`` rows to ``size``: the replay that clones only

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -145,6 +146,8 @@ class StandinBackend:
         self.replay_delay = 0.0  # seconds each replay sleeps (to test min_speedup)
         self.pools_used: list[Pool] = []  # the pool of each capture, in order
         self.rng_free: list[bool] = []  # each capture's rng_free, in order
+        # each capture's graph, in order (weakly: dropped graphs must be freed)
+        self.graphs: list[weakref.ref[RecordedGraph]] = []
 
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cpu"
@@ -182,7 +185,9 @@ class StandinBackend:
             self._pool_size = max(self._pool_size, recorder.nbytes)
         else:
             self.reserved += recorder.nbytes
-        return RecordedGraph(recorder.ops, self.replay_delay), out
+        graph = RecordedGraph(recorder.ops, self.replay_delay)
+        self.graphs.append(weakref.ref(graph))
+        return graph, out
 
     @contextlib.contextmanager
     def _stream_capturing(self) -> Iterator[None]:

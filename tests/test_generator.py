@@ -18,7 +18,8 @@ def test_a_call_that_draws_nothing_is_captured_without_the_generator(standin):
             torch.testing.assert_close(g(x), m(x))
         g.train()  # dropout draws: captured with the generator
         outs = [g(x) for _ in range(4)]
-    assert standin.rng_free == [True, False]
+    # the eval graph, its output variant (rotation.py), the training graph (none: it draws)
+    assert standin.rng_free == [True, True, False]
     assert autograph.stats(g)["replays"] >= 3
     assert not all(torch.equal(outs[1], o) for o in outs[2:])  # fresh masks per replay
 
@@ -54,7 +55,7 @@ def test_torch_refusing_a_random_operator_in_such_a_capture_captures_again(stand
             "Attempt to increase offset for a CUDA generator not in capture mode.")
         for _ in range(3):
             torch.testing.assert_close(f(x), x * 2)
-    assert standin.rng_free == [True, False]
+    assert standin.rng_free == [True, False, False]  # refused, again, its output variant
     s = autograph.stats(f)
     assert s["captures"] == 1 and s["replays"] == 2 and "capture_failed" not in s["eager_reasons"]
 

@@ -1,0 +1,151 @@
+"""Outputs without a host copy in the default mode: a key's graph captured again, at
+most :data:`SLOTS` times, each time ending with a copy of its output into a buffer of
+its own, allocated outside the pool (the copy is a node of the graph: no allocation
+and no launch on the host, the part of a clone that costs).
+
+A replay hands out such a buffer, as a new alias of it, when no earlier call's output
+still holds it: its storage's use count, and the Python references of its storage
+object, are what they were with nothing handed out (an alias or a view of it, kept
+anywhere, or the storage object on its own, raise one of them).  A loop that drops or
+rebinds each output (``y = model(x)``) alternates between two buffers; one that keeps
+every output gets clones from the key's first graph, as before.  The buffers are
+outside the pool, so no other graph's replay writes them, and a held one is never
+written by this key's graphs.
+
+Only for graphs with one output that lives in the pool and nothing else to hand
+back: no host counters, no random numbers, no state written, no object arguments.
+The first replay hands out a clone; the second captures the first variant, and the
+first call that finds every buffer held captures the next (``Rotation.grow``).  A
+variant that cannot be captured ends the rotation: clones from then on.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .buffers import _overlaps
+from .flat import Flat
+from .guards import Watch, running
+from .lifecycle import CAPTURE_LOCK, _no_autocast_cache, nested_block
+from .replay import Captured
+from .vocab import EagerReason, Uncapturable, logger
+
+SLOTS = 2  # variants per key: what a loop rebinding its output needs
+
+use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
+refcount = sys.getrefcount
+
+
+class Slot:
+    """One variant: its graph, the graph's own output (kept: it lives in the pool) and
+    the buffer its last node copies that output into."""
+
+    __slots__ = ("graph", "out", "buffer", "storage", "cdata", "free", "refs")
+
+    def __init__(self, graph: Any, out: torch.Tensor, buffer: torch.Tensor) -> None:
+        self.graph, self.out, self.buffer = graph, out, buffer
+        self.storage = buffer.untyped_storage()  # kept: a caller's copy of it shows
+        self.cdata = self.storage._cdata
+        self.free = use_count(self.cdata)  # with nothing handed out
+        self.refs = refcount(self.storage)
+
+
+class Rotation:
+    """The variants of one graph, grown on demand (``grow``); ``room``: whether another
+    may still be captured.  ``armed`` is set by the first replay (keys replayed once
+    never pay for a variant)."""
+
+    __slots__ = ("slots", "room", "armed", "_capture", "_lock", "nbytes")
+
+    def __init__(self, capture: Callable[[], Slot], lock: Any, nbytes: int) -> None:
+        self.slots: tuple[Slot, ...] = ()
+        self.room = True
+        self.armed = False
+        self._capture = capture
+        self._lock = lock  # the engines' capture lock
+        self.nbytes = nbytes  # what all variants together may hold: outputs and buffers
+
+    def grow(self) -> None:
+        """Capture one more variant (under the capture lock), or end the rotation if it
+        cannot be captured."""
+        with self._lock:
+            if not self.room:
+                return  # another thread grew it meanwhile
+            try:
+                slot = self._capture()
+            except Exception as exc:  # noqa: BLE001 - clones stay right
+                self.room = False
+                logger.debug("autograph: no output variant (%s: %s); outputs are cloned",
+                             type(exc).__name__, exc)
+                return
+            self.slots = (*self.slots, slot)
+            self.room = len(self.slots) < SLOTS
+
+    def fill(self) -> None:
+        """Capture every variant now (``autograph.warmup``), in the key's modes."""
+        self.armed = True
+        while self.room:
+            self.grow()
+
+    def runner(self, fallback: Callable[[Any], Any], prepare: Callable[[Any], None],
+               lock: Any) -> Callable[[Any], Any]:
+        """The replay: under ``lock``, the first free variant's replay after
+        ``prepare(leaves)`` (order the stream, copy the arguments in), and a new alias
+        of its buffer.  Where none is free, ``fallback(leaves)`` (the first graph's
+        replay and clone, which takes ``lock`` itself), after capturing another variant
+        where there is room."""
+        rotation = self
+
+        def run(leaves: Any) -> Any:
+            with lock:
+                for slot in rotation.slots:
+                    if use_count(slot.cdata) <= slot.free and \
+                            refcount(slot.storage) <= slot.refs:
+                        prepare(leaves)
+                        slot.graph.replay()
+                        return slot.buffer.detach()
+            if rotation.room:
+                if rotation.armed:
+                    rotation.grow()
+                    return run(leaves)
+                rotation.armed = True
+            return fallback(leaves)
+
+        return run
+
+
+def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
+           rng_free: bool) -> None:
+    """Give a plain graph output variants (``rotation.py``) where it can have them: one
+    output in the pool, and nothing a second capture could change or repeat (host
+    counters, random numbers, parameters or arguments written, object arguments)."""
+    single = getattr(captured.build, "single_output", None)
+    if (single is None or captured.reuse or captured.effects is not None or captured.seeded
+            or captured.state_written or captured.inplace or flat.objects
+            or use_count is None or _overlaps(single)):  # (a buffer cannot be written so)
+        return
+    args, kwargs = flat.rebuild(captured.static.substitute(list(flat.leaves)))
+    backend, device = captured.backend, captured.device
+    shape, stride, dtype = single.shape, single.stride(), single.dtype
+
+    def capture_variant() -> Slot:
+        buffer = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+        def body() -> Any:
+            out = fn(*args, **kwargs)
+            if not (isinstance(out, torch.Tensor) and out.shape == shape
+                    and out.stride() == stride and out.dtype == dtype):
+                raise Uncapturable(EagerReason.OUTPUT, "a variant's output differs")
+            buffer.copy_(out)
+            return out
+
+        with nested_block(), running(watch), _no_autocast_cache():
+            graph, out = backend.capture(device, body, rng_free=rng_free)
+        return Slot(graph, out, buffer)
+
+    nbytes = 2 * SLOTS * single.untyped_storage().nbytes()  # each variant's output, buffer
+    captured.rotation = Rotation(capture_variant, CAPTURE_LOCK, nbytes)

@@ -32,7 +32,7 @@ from .stats import Stats
 from .verify import every_from_env
 from .vocab import Action, EagerReason, State, Uncapturable, logger
 
-_profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
+_profiling = shortcut._profiling  # the probes the shortcut reads, read here too
 _NO_RANGE = contextlib.nullcontext()
 record_function = torch.autograd.profiler.record_function
 _is_nested = lifecycle.is_nested
@@ -42,8 +42,7 @@ _HELD = replay.HELD
 _MISS = shortcut.MISS
 # True while torch.compile traces (Dynamo evaluates it so); False when code runs
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
-_functorch_active: Callable[[], bool] = getattr(
-    torch._C, "_are_functorch_transforms_active", lambda: False)
+_functorch_active = shortcut._functorch_active
 
 # When a callable stops trying: this many new keys in a row without a replay (keys that
 # never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.

@@ -7,6 +7,7 @@ still held (:data:`HELD`).  ``lifecycle.capture`` makes a :class:`Captured`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,26 @@ from .capture import Backend, Pool
 # call's output is still held: the engine runs that call eagerly (``outputs_protected``).
 HELD: Any = object()
 
-use_count = getattr(torch._C, "_storage_Use_Count", None)
+use_count: Any = getattr(torch._C, "_storage_Use_Count", None)  # None: clones only
+refcount = sys.getrefcount
+
+
+class Holder:
+    """What shows that a storage handed out is still held outside autograph: its use
+    count (tensors and views of it) and the Python references of its storage object
+    (``t.untyped_storage()`` hands back this very object), each above what it was
+    with nothing handed out."""
+
+    __slots__ = ("storage", "cdata", "free", "refs")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.storage = tensor.untyped_storage()  # kept: a caller's reference shows
+        self.cdata = self.storage._cdata
+        self.free = use_count(self.cdata)
+        self.refs = refcount(self.storage)
+
+    def held(self) -> bool:
+        return use_count(self.cdata) > self.free or refcount(self.storage) > self.refs
 
 
 class Captured:
@@ -44,7 +64,7 @@ class Captured:
         self.state_written = state_written  # parameters and buffers the graph writes
         self.inplace = inplace  # argument positions captured at the caller's address
         self.reuse = reuse  # outputs handed out without a copy (outputs="reuse")
-        self._holders: tuple[tuple[int, int], ...] | None = None
+        self._holders: tuple[Holder, ...] | None = None
         self.footprint = 0  # peak bytes of the tensors the capture made (footprint.py)
         # host counters of object arguments: filled before, advanced after a replay
         self.effects: Any = None
@@ -52,25 +72,23 @@ class Captured:
         self.held_reason: Any = None
         self.rotation: Any = None  # rotation.Rotation: outputs without a host copy
 
-    def holders(self) -> tuple[tuple[int, int], ...]:
-        """(storage handle, use count with no output handed out) per pool storage that
-        an output lives in.  Taken on the first call, before the first replay hands
-        anything out: from then on a count above it is a tensor outside autograph (an
-        output of an earlier call, a view of it) that the next replay would overwrite.
-        The outputs kept by ``build`` keep the storages, and so the handles, alive."""
+    def holders(self) -> tuple[Holder, ...]:
+        """A :class:`Holder` per pool storage that an output lives in.  Taken on the
+        first call, before the first replay hands anything out: from then on a count
+        above it is a tensor or storage outside autograph (an output of an earlier
+        call, a view of it) that the next replay would overwrite.  The outputs kept by
+        ``build`` keep the storages alive."""
         if self._holders is None:
-            assert use_count is not None
-            cdatas = dict.fromkeys(t.untyped_storage()._cdata
-                                   for t in getattr(self.build, "pool_outputs", ()))
-            self._holders = tuple((c, use_count(c)) for c in cdatas)
+            storages = {t.untyped_storage()._cdata: t
+                        for t in getattr(self.build, "pool_outputs", ())}
+            self._holders = tuple(Holder(t) for t in storages.values())
         return self._holders
 
     def outputs_held(self) -> bool:
         """With ``reuse``: whether an output of an earlier call is still held."""
         if not self.reuse:
             return False
-        use = use_count
-        return any(use(c) > n for c, n in self.holders())  # type: ignore[misc]
+        return any(h.held() for h in self.holders())
 
     def synchronize(self) -> None:
         self.backend.synchronize(self.device)
@@ -185,11 +203,12 @@ class Captured:
         single = getattr(build, "single_output", None)
         if single is not None and len(static.positions) == 1 and len(holders) == 1:
             pos, copy, alias = static.positions[0], static.buffers[0].copy_, single.detach
-            (cdata, free), = holders
+            (holder,) = holders  # its storage read as an attribute, as its count was taken
+            cdata, free, refs = holder.cdata, holder.free, holder.refs
 
             def run_one(leaves: Any) -> Any:
                 with lock:
-                    if use(cdata) > free:
+                    if use(cdata) > free or refcount(holder.storage) > refs:
                         return HELD
                     order(device, pool)
                     copy(leaves[pos])
@@ -201,8 +220,8 @@ class Captured:
 
         def run(leaves: Any) -> Any:
             with lock:
-                for cdata, free in holders:
-                    if use(cdata) > free:
+                for h in holders:
+                    if use(h.cdata) > h.free or refcount(h.storage) > h.refs:
                         return HELD
                 order(device, pool)
                 copy_in(leaves)

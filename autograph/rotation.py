@@ -21,7 +21,6 @@ variant that cannot be captured ends the rotation: clones from then on.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,27 +30,23 @@ from .buffers import _overlaps
 from .flat import Flat
 from .guards import Watch, running
 from .lifecycle import CAPTURE_LOCK, _no_autocast_cache, nested_block
-from .replay import Captured
+from .replay import Captured, Holder, refcount, use_count
 from .vocab import EagerReason, Uncapturable, logger
 
 SLOTS = 2  # variants per key: what a loop rebinding its output needs
 
-use_count: Any = getattr(torch._C, "_storage_Use_Count", None)
-refcount = sys.getrefcount
 
 
-class Slot:
+class Slot(Holder):
     """One variant: its graph, the graph's own output (kept: it lives in the pool) and
-    the buffer its last node copies that output into."""
+    the buffer its last node copies that output into (held while its use count or
+    its storage object's references are above those with nothing handed out)."""
 
-    __slots__ = ("graph", "out", "buffer", "storage", "cdata", "free", "refs")
+    __slots__ = ("graph", "out", "buffer")
 
     def __init__(self, graph: Any, out: torch.Tensor, buffer: torch.Tensor) -> None:
+        super().__init__(buffer)
         self.graph, self.out, self.buffer = graph, out, buffer
-        self.storage = buffer.untyped_storage()  # kept: a caller's copy of it shows
-        self.cdata = self.storage._cdata
-        self.free = use_count(self.cdata)  # with nothing handed out
-        self.refs = refcount(self.storage)
 
 
 class Rotation:

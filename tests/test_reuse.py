@@ -36,10 +36,20 @@ def test_dropped_output_is_reused_without_a_copy():
 def hold(out, keep):
     if keep == "view":
         return out[1:].t()
+    if keep == "storage":  # the storage alone, as a tensor over it at the end
+        return out.untyped_storage(), out.shape
     return {"tensor": out, "list": [out], "dict": {"y": out}}[keep]
 
 
-@pytest.mark.parametrize("keep", ["tensor", "view", "list", "dict"])
+def held_tensor(held):
+    if isinstance(held, tuple):
+        storage, shape = held
+        return torch.empty(0, device=storage.device).set_(storage).view(shape)
+    return held if isinstance(held, torch.Tensor) else \
+        (held[0] if isinstance(held, list) else held["y"])
+
+
+@pytest.mark.parametrize("keep", ["tensor", "view", "list", "dict", "storage"])
 def test_held_output_is_never_overwritten(keep):
     model = mlp()
     g = autograph.graphed(model, warmup=0, outputs="reuse")
@@ -52,8 +62,7 @@ def test_held_output_is_never_overwritten(keep):
         x2 = torch.randn(3, 8)
         out2 = g(x2)
         torch.testing.assert_close(out2, model(x2))
-        kept = held if isinstance(held, torch.Tensor) else \
-            (held[0] if isinstance(held, list) else held["y"])
+        kept = held_tensor(held)
         torch.testing.assert_close(kept, expect if keep != "view" else expect[1:].t())
     s = autograph.stats(g)
     assert s["outputs_protected"] == 1 and s["eager_reasons"]["outputs_held"] == 1

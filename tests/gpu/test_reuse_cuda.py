@@ -8,6 +8,8 @@ from torch import nn
 
 import autograph
 
+from ..test_reuse import held_tensor, hold
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -34,7 +36,7 @@ def test_dropped_output_is_the_graphs_own_memory():
     assert s["replays"] == 3 and s["outputs_protected"] == 0
 
 
-@pytest.mark.parametrize("keep", ["tensor", "view", "list", "dict"])
+@pytest.mark.parametrize("keep", ["tensor", "view", "list", "dict", "storage"])
 def test_held_output_is_never_overwritten(keep):
     m = model()
     g = autograph.graphed(m, warmup=1, outputs="reuse")
@@ -42,15 +44,13 @@ def test_held_output_is_never_overwritten(keep):
         g(torch.randn(4, 32, device="cuda"))  # warmup
         out = g(torch.randn(4, 32, device="cuda"))  # captured
         expect = out.clone()
-        held = out[1:].t() if keep == "view" else \
-            {"tensor": out, "list": [out], "dict": {"y": out}}[keep]
+        held = hold(out, keep)
         del out
         for _ in range(3):
             x = torch.randn(4, 32, device="cuda")
             torch.testing.assert_close(g(x), m(x), **TOL)
         torch.cuda.synchronize()
-        kept = held if isinstance(held, torch.Tensor) else \
-            (held[0] if isinstance(held, list) else held["y"])
+        kept = held_tensor(held)
         assert torch.equal(kept, expect[1:].t() if keep == "view" else expect)
     s = autograph.stats(g)
     assert s["outputs_protected"] == 3 and s["replays"] == 0

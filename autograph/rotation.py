@@ -12,8 +12,9 @@ every output gets clones from the key's first graph, as before.  The buffers are
 outside the pool, so no other graph's replay writes them, and a held one is never
 written by this key's graphs.
 
-Only for graphs with one output that lives in the pool and nothing else to hand
-back: no host counters, no random numbers, no state written, no object arguments.
+Only for graphs with one output that lives in the pool (up to :data:`MAX_BYTES`) and
+nothing else to hand back: no host counters, no random numbers, no state written, no
+object arguments.
 The first replay hands out a clone; the second captures the first variant, and the
 first call that finds every buffer held captures the next (``Rotation.grow``).  A
 variant that cannot be captured ends the rotation: clones from then on.
@@ -34,6 +35,9 @@ from .replay import Captured, Holder, refcount, use_count
 from .vocab import EagerReason, Uncapturable, logger
 
 SLOTS = 2  # variants per key: what a loop rebinding its output needs
+# Larger outputs are cloned: their clone's host cost is small beside their kernels, and
+# the variants would hold four more copies of them.
+MAX_BYTES = 64 << 20
 
 
 
@@ -121,7 +125,8 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
     single = getattr(captured.build, "single_output", None)
     if (single is None or captured.reuse or captured.effects is not None or captured.seeded
             or captured.state_written or captured.inplace or flat.objects
-            or use_count is None or _overlaps(single)):  # (a buffer cannot be written so)
+            or use_count is None or _overlaps(single)  # (a buffer cannot be written so)
+            or single.untyped_storage().nbytes() > MAX_BYTES):
         return
     args, kwargs = flat.rebuild(captured.static.substitute(list(flat.leaves)))
     backend, device = captured.backend, captured.device

@@ -228,3 +228,14 @@ def test_an_expanded_output_is_cloned_as_before(standin):
             x = torch.randn(3, 8)
             torch.testing.assert_close(g(x), (x * 2).sum(0, keepdim=True).expand(4, 8))
     assert standin.captures == 1 and autograph.stats(g)["replays"] == 3
+
+
+def test_a_large_output_is_cloned_as_before(standin, monkeypatch):
+    monkeypatch.setattr("autograph.rotation.MAX_BYTES", 3 * 4 * 4 - 1)  # under 3x4 fp32
+    model = mlp()
+    g = autograph.graphed(model, warmup=1)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(g(x), model(x))
+    assert standin.captures == 1 and autograph.stats(g)["replays"] == 3

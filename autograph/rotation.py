@@ -40,7 +40,6 @@ SLOTS = 2  # variants per key: what a loop rebinding its output needs
 MAX_BYTES = 64 << 20
 
 
-
 class Slot(Holder):
     """One variant: its graph, the graph's own output (kept: it lives in the pool) and
     the buffer its last node copies that output into (held while its use count or
@@ -99,20 +98,19 @@ class Rotation:
         where there is room."""
         rotation = self
 
-        def run(leaves: Any) -> Any:
-            with lock:
-                for slot in rotation.slots:
-                    if use_count(slot.cdata) <= slot.free and \
-                            refcount(slot.storage) <= slot.refs:
-                        prepare(leaves)
-                        slot.graph.replay()
-                        return slot.buffer.detach()
-            if rotation.room:
-                if rotation.armed:
-                    rotation.grow()
-                    return run(leaves)
-                rotation.armed = True
-            return fallback(leaves)
+        def run(leaves: Any) -> Any:  # a loop, not a recursion: no cycle through a cell
+            while True:
+                with lock:
+                    for slot in rotation.slots:
+                        if use_count(slot.cdata) <= slot.free and \
+                                refcount(slot.storage) <= slot.refs:
+                            prepare(leaves)
+                            slot.graph.replay()
+                            return slot.buffer.detach()
+                if not (rotation.room and rotation.armed):
+                    rotation.armed = True
+                    return fallback(leaves)
+                rotation.grow()  # then the new variant's buffer is free
 
         return run
 
@@ -126,7 +124,7 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
     if (single is None or captured.reuse or captured.effects is not None or captured.seeded
             or captured.state_written or captured.inplace or flat.objects
             or use_count is None or _overlaps(single)  # (a buffer cannot be written so)
-            or single.untyped_storage().nbytes() > MAX_BYTES):
+            or single.numel() * single.element_size() > MAX_BYTES):
         return
     args, kwargs = flat.rebuild(captured.static.substitute(list(flat.leaves)))
     backend, device = captured.backend, captured.device
@@ -147,5 +145,5 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
             graph, out = backend.capture(device, body, rng_free=rng_free)
         return Slot(graph, out, buffer)
 
-    nbytes = 2 * SLOTS * single.untyped_storage().nbytes()  # each variant's output, buffer
+    nbytes = 2 * SLOTS * single.numel() * single.element_size()  # outputs and buffers
     captured.rotation = Rotation(capture_variant, CAPTURE_LOCK, nbytes)

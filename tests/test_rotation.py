@@ -5,6 +5,7 @@ never written again while it is held.  Proved on the CPU stand-in, whose replay
 writes its captured buffers in place as a real graph does; the checks are shared
 with tests/gpu/test_rotation_cuda.py, where ``lent`` counts allocations instead."""
 
+import gc
 import threading
 
 import pytest
@@ -239,3 +240,30 @@ def test_a_large_output_is_cloned_as_before(standin, monkeypatch):
             x = torch.randn(3, 8)
             torch.testing.assert_close(g(x), model(x))
     assert standin.captures == 1 and autograph.stats(g)["replays"] == 3
+
+
+def test_variants_are_freed_without_a_collection(standin):
+    """A runner that called itself again after capturing a variant made a cycle (the
+    function and its own closure cell) that kept every graph of the key alive until
+    the garbage collector ran (on CUDA, maybe during a user's own capture)."""
+
+    def used() -> list:
+        model = mlp()
+        g = autograph.graphed(model, warmup=1)
+        with torch.no_grad():
+            y = None
+            for _ in range(6):
+                y = g(torch.randn(3, 8))  # held during the next call: both variants
+        del y
+        return [ref for ref in standin.graphs if ref() is not None]
+
+    used()  # the first capture's lazy imports leave garbage of their own
+    gc.collect()
+    standin.graphs.clear()
+    gc.disable()
+    try:
+        graphs = used()
+        assert len(graphs) == 3
+        assert all(ref() is None for ref in graphs)  # freed when the caller drops them
+    finally:
+        gc.enable()

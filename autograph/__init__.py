@@ -193,8 +193,8 @@ def graphed(
             eagerly from then on, logs a WARNING with the largest difference and counts
             ``verify_failures``.  Graphs that draw random numbers are not checked.  None
             (default): the environment variable ``AUTOGRAPH_VERIFY_EVERY``, else never.
-        outputs: ``"clone"`` (default): outputs that live in the graph's memory are
-            cloned on every call, so a kept output is never overwritten.  ``"reuse"``:
+        outputs: ``"clone"`` (default): outputs in the graph's memory are cloned (or a
+            buffer no earlier output holds: docs/semantics.md), never overwritten.  ``"reuse"``:
             no copy; the call returns the graph's own output tensors.  Before a replay,
             autograph checks (storage use counts) whether the caller still holds an
             output of an earlier call (the tensor, a view of it, or either kept in a

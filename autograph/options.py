@@ -43,7 +43,8 @@ class Options:
         call is agreed across them (see ``ranks``).  None: no agreement.
     verify_every: check every Nth replay of a graph against eager (see ``verify``).
         None: ``AUTOGRAPH_VERIFY_EVERY``, else never.
-    outputs: ``"clone"``: outputs in the graph pool are cloned on every call;
+    outputs: ``"clone"``: outputs in the graph pool are never overwritten once handed
+        out (cloned, or a buffer of the key's variants that nothing holds: rotation.py);
         ``"reuse"``: the call returns the graph's own output tensors, and a call made
         while an earlier output (or a view of it) is still held runs eagerly instead
         of overwriting it (see ``Captured.runner``).

@@ -275,11 +275,12 @@ def _leaf_maker(
         offset = value.storage_offset() - base.storage_offset()
         size, stride = value.shape, value.stride()
         whole = size == base.shape and stride == base.stride() and offset == 0
+        itself = value is base  # ``return x``; else a tensor of its own (``x.detach()``)
 
         def view(leaves: list[Any]) -> torch.Tensor:
             arg = leaves[i]
-            if whole:
-                return arg  # type: ignore[no-any-return]
+            if whole:  # a resize of the result must not resize the argument
+                return arg if itself else arg.detach()  # type: ignore[no-any-return]
             return arg.as_strided(size, stride, arg.storage_offset() + offset)
 
         return view

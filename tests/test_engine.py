@@ -437,3 +437,22 @@ def test_autocast_weight_casts_cached_by_eager_calls_are_no_hidden_reads(standin
             torch.testing.assert_close(got, want)
     s = autograph.stats(g)
     assert s["invalidations"] == 0 and s["replays"] >= 4, s
+
+
+@pytest.mark.parametrize("through", ["detach", "view_as", "itself"])
+def test_an_output_that_is_the_whole_argument_is_what_eager_returns(through):
+    """``x.detach()`` is a tensor of its own in eager mode: resizing or reshaping it in
+    place leaves ``x`` as it was (replays returned ``x`` itself); ``return x`` is ``x``."""
+    make = {"detach": lambda x: x.detach(), "view_as": lambda x: x.view_as(x),
+            "itself": lambda x: x}[through]
+    g = autograph.graphed(make, warmup=1)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 8)
+            y = g(x)
+            assert (y is x) == (through == "itself")
+            assert y.data_ptr() == x.data_ptr()  # the same memory, as eager's
+            if through != "itself":
+                y.unsqueeze_(0)
+                assert x.shape == (3, 8)
+    assert autograph.stats(g)["replays"] == 2

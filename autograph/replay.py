@@ -30,16 +30,24 @@ class Holder:
     (``t.untyped_storage()`` hands back this very object), each above what it was
     with nothing handed out."""
 
-    __slots__ = ("storage", "cdata", "free", "refs")
+    __slots__ = ("storage", "cdata", "free", "refs", "ptr", "nbytes")
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.storage = tensor.untyped_storage()  # kept: a caller's reference shows
         self.cdata = self.storage._cdata
         self.free = use_count(self.cdata)
         self.refs = refcount(self.storage)
+        self.ptr, self.nbytes = self.storage.data_ptr(), self.storage.nbytes()
 
     def held(self) -> bool:
-        return use_count(self.cdata) > self.free or refcount(self.storage) > self.refs
+        return use_count(self.cdata) > self.free or refcount(self.storage) > self.refs \
+            or self.moved()
+
+    def moved(self) -> bool:
+        """Whether a caller resized the storage (``untyped_storage().resize_(0)``, a
+        larger ``resize_``): the graph still writes the memory it had."""
+        storage = self.storage
+        return storage.data_ptr() != self.ptr or storage.nbytes() != self.nbytes
 
 
 class Captured:
@@ -204,11 +212,11 @@ class Captured:
         if single is not None and len(static.positions) == 1 and len(holders) == 1:
             pos, copy, alias = static.positions[0], static.buffers[0].copy_, single.detach
             (holder,) = holders  # its storage read as an attribute, as its count was taken
-            cdata, free, refs = holder.cdata, holder.free, holder.refs
+            cdata, free, refs, moved = holder.cdata, holder.free, holder.refs, holder.moved
 
             def run_one(leaves: Any) -> Any:
                 with lock:
-                    if use(cdata) > free or refcount(holder.storage) > refs:
+                    if use(cdata) > free or refcount(holder.storage) > refs or moved():
                         return HELD
                     order(device, pool)
                     copy(leaves[pos])
@@ -221,7 +229,7 @@ class Captured:
         def run(leaves: Any) -> Any:
             with lock:
                 for h in holders:
-                    if use(h.cdata) > h.free or refcount(h.storage) > h.refs:
+                    if h.held():
                         return HELD
                 order(device, pool)
                 copy_in(leaves)

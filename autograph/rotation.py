@@ -57,31 +57,40 @@ class Rotation:
     may still be captured.  ``armed`` is set by the first replay (keys replayed once
     never pay for a variant)."""
 
-    __slots__ = ("slots", "room", "armed", "_capture", "_lock", "nbytes")
+    __slots__ = ("slots", "room", "armed", "_capture", "_agrees", "_lock", "nbytes")
 
-    def __init__(self, capture: Callable[[], Slot], lock: Any, nbytes: int) -> None:
+    def __init__(self, capture: Callable[[], Slot], agrees: Callable[[Slot], bool],
+                 lock: Any, nbytes: int) -> None:
         self.slots: tuple[Slot, ...] = ()
         self.room = True
         self.armed = False
         self._capture = capture
+        self._agrees = agrees  # whether a new variant gives what the key's graph gives
         self._lock = lock  # the engines' capture lock
         self.nbytes = nbytes  # what all variants together may hold: outputs and buffers
 
     def grow(self) -> None:
         """Capture one more variant (under the capture lock), or end the rotation if it
-        cannot be captured."""
+        cannot be captured or does not give what the key's graph gives."""
         with self._lock:
             if not self.room:
                 return  # another thread grew it meanwhile
             try:
                 slot = self._capture()
+                same = self._agrees(slot)
             except Exception as exc:  # noqa: BLE001 - clones stay right
-                self.room = False
-                logger.debug("autograph: no output variant (%s: %s); outputs are cloned",
-                             type(exc).__name__, exc)
+                self.end(f"{type(exc).__name__}: {exc}")
+                return
+            if not same:  # state no guard sees changed since the key's capture
+                self.end("its result differs from the key's graph")
                 return
             self.slots = (*self.slots, slot)
             self.room = len(self.slots) < SLOTS
+
+    def end(self, why: str) -> None:
+        """No variants from now on: the key's graph and clones, as without them."""
+        self.slots, self.room = (), False
+        logger.debug("autograph: no output variants (%s); outputs are cloned", why)
 
     def fill(self) -> None:
         """Capture every variant now (``autograph.warmup``), in the key's modes."""
@@ -104,6 +113,9 @@ class Rotation:
                     for slot in rotation.slots:
                         if use_count(slot.cdata) <= slot.free and \
                                 refcount(slot.storage) <= slot.refs:
+                            if slot.moved():  # resized by a caller: ours no longer
+                                rotation.end("a caller resized an output's storage")
+                                break
                             prepare(leaves)
                             slot.graph.replay()
                             return slot.buffer.detach()
@@ -145,5 +157,17 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
             graph, out = backend.capture(device, body, rng_free=rng_free)
         return Slot(graph, out, buffer)
 
+    pool, order, replay = captured.pool, backend.order_replay, captured.graph.replay
+
+    def agrees(slot: Slot) -> bool:
+        """Both graphs replayed on the same static inputs give the same bits (one
+        host sync per variant): a variant captured after a change that no guard sees
+        (a nested configuration value) would otherwise alternate with the key's graph."""
+        with pool.lock:
+            order(device, pool)
+            replay()
+            slot.graph.replay()
+            return torch.equal(single, slot.buffer)
+
     nbytes = 2 * SLOTS * single.numel() * single.element_size()  # outputs and buffers
-    captured.rotation = Rotation(capture_variant, CAPTURE_LOCK, nbytes)
+    captured.rotation = Rotation(capture_variant, agrees, CAPTURE_LOCK, nbytes)

@@ -167,3 +167,18 @@ def test_each_reuse_graph_has_a_pool_of_its_own(standin):
     reuse_pools, shared = standin.pools_used[:2], standin.pools_used[2]
     assert reuse_pools[0] is not reuse_pools[1]
     assert shared not in reuse_pools and shared is standin.pool(torch.device("cpu"))
+
+
+def test_a_resized_output_storage_is_never_written(standin):
+    """``untyped_storage().resize_(0)`` frees the memory the graph writes: the calls
+    after it run eagerly instead of writing freed memory."""
+    model = mlp()
+    g = autograph.graphed(model, warmup=0, outputs="reuse")
+    with torch.no_grad():
+        out = g(torch.randn(3, 8))
+        out.untyped_storage().resize_(0)
+        del out
+        for _ in range(3):
+            x = torch.randn(3, 8)
+            torch.testing.assert_close(g(x), model(x))
+    assert autograph.stats(g)["outputs_protected"] == 3

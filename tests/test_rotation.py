@@ -21,9 +21,10 @@ def mlp(device="cpu"):
 
 
 def variant_replays(standin):
-    """Replays of the graphs captured after the first of one key (the variants)."""
+    """Replays of the graphs captured after the first of one key (the variants), less
+    the one each gets at its capture (checked against the key's graph)."""
     graphs = [ref() for ref in standin.graphs]
-    return sum(g.replays for g in graphs[1:] if g is not None)
+    return sum(g.replays - 1 for g in graphs[1:] if g is not None)
 
 
 def calls(g, model, xs, keep):
@@ -267,3 +268,42 @@ def test_variants_are_freed_without_a_collection(standin):
         assert all(ref() is None for ref in graphs)  # freed when the caller drops them
     finally:
         gc.enable()
+
+
+def test_a_variant_that_differs_from_the_keys_graph_ends_the_rotation(standin):
+    """State no guard sees (a value inside a dict the forward reads) changed between
+    the key's capture and a variant's: the variant would alternate with the key's
+    graph, so it is dropped and the key's graph serves every call (stale as before)."""
+    cfg = {"scale": 1.0}
+    g = autograph.graphed(lambda x: x * cfg["scale"], warmup=1)
+    x = torch.randn(4)
+    with torch.no_grad():
+        g(x), g(x)  # warmup, capture
+        cfg["scale"] = 2.0
+        outs = [g(x) for _ in range(6)]
+    assert all(torch.equal(o, outs[0]) for o in outs)  # one value, not two alternating
+    assert standin.captures == 2 and variant_replays(standin) == 0
+
+
+@pytest.mark.parametrize("how", ["storage", "tensor"])
+def test_a_resized_output_ends_the_rotation(standin, how):
+    """A caller that frees an output's memory (``untyped_storage().resize_(0)``) or
+    grows it in place moves the buffer a variant writes: never replayed again."""
+    model = mlp()
+    g = autograph.graphed(model, warmup=1)
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.randn(3, 8)
+            y = g(x)
+            torch.testing.assert_close(y, model(x))
+            if i == 3:
+                if how == "storage":
+                    y.untyped_storage().resize_(0)
+                else:
+                    y.resize_(64, 64)
+            del y
+    assert autograph.stats(g)["replays"] == 6
+    before = variant_replays(standin)
+    with torch.no_grad():
+        g(torch.randn(3, 8))
+    assert variant_replays(standin) == before  # clones from the key's graph now

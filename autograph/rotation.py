@@ -111,9 +111,11 @@ class Rotation:
             while True:
                 with lock:
                     for slot in rotation.slots:
+                        # (the storage read as an attribute, as when its count was taken)
                         if use_count(slot.cdata) <= slot.free and \
                                 refcount(slot.storage) <= slot.refs:
-                            if slot.moved():  # resized by a caller: ours no longer
+                            if slot.storage.data_ptr() != slot.ptr or \
+                                    slot.storage.nbytes() != slot.nbytes:  # a caller resized it
                                 rotation.end("a caller resized an output's storage")
                                 break
                             prepare(leaves)

@@ -307,3 +307,50 @@ def test_a_resized_output_ends_the_rotation(standin, how):
     with torch.no_grad():
         g(torch.randn(3, 8))
     assert variant_replays(standin) == before  # clones from the key's graph now
+
+
+def test_an_output_fed_back_in_is_never_written_while_read(standin):
+    """``h = g(h)``: the argument is the previous output (held by the call itself)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    g = autograph.graphed(lambda h: torch.tanh(lin(h)), warmup=1)
+    h = want = torch.randn(3, 8)
+    history = []
+    with torch.no_grad():
+        for _ in range(10):
+            h, want = g(h), torch.tanh(lin(want))
+            history.append((h, want.clone()))
+            torch.testing.assert_close(h, want)
+    for got, expect in history:  # every output kept, unchanged by the calls after it
+        torch.testing.assert_close(got, expect)
+    assert autograph.stats(g)["replays"] == 8 and variant_replays(standin) > 0
+
+
+@pytest.mark.parametrize("how", ["dlpack", "parameter", "closure", "swap"])
+def test_other_ways_of_holding_an_output(standin, how):
+    model = mlp()
+    g = autograph.graphed(model, warmup=1)
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.randn(3, 8))
+        x = torch.randn(3, 8)
+        want = model(x)
+        y = g(x)
+        if how == "dlpack":
+            held = torch.utils.dlpack.to_dlpack(y)
+        elif how == "parameter":
+            held = nn.Parameter(y, requires_grad=False)
+        elif how == "closure":
+            held = (lambda t: lambda: t)(y)
+        else:
+            held = torch.zeros(3, 4)
+            torch.utils.swap_tensors(held, y)  # ``held`` now holds the output's memory
+        del y
+        for _ in range(4):
+            z = torch.randn(3, 8)
+            torch.testing.assert_close(g(z), model(z))
+        kept = {"dlpack": lambda: torch.utils.dlpack.from_dlpack(held),
+                "parameter": lambda: held, "closure": lambda: held(),
+                "swap": lambda: held}[how]()
+        torch.testing.assert_close(kept, want)
+    assert variant_replays(standin) >= 4

@@ -117,6 +117,7 @@ def check_outputs_match_eager_mode(device):
             assert not y.is_inference() and not y.requires_grad
             y.add_(1)  # the caller's own: the next call is unaffected
         torch.testing.assert_close(g(x), model(x))
+    assert autograph.stats(g)["replays"] == 4 + 5  # not eager: two keys replayed
 
 
 def test_rebinding_loop_alternates_two_buffers(standin):

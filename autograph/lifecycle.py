@@ -85,7 +85,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     host = _host_random_state(device) if learn else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
-    with nested_block(), running(watch), _no_autocast_cache():  # as capture: no stale casts read
+    with call_scope(watch):  # as a capture: no stale casts read
         if timed:
             backend.synchronize(device)
         start = time.perf_counter()
@@ -234,7 +234,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         with stepped, footprint, reads, recorder:
             return fn(*args, **kwargs)
 
-    with nested_block(), running(watch), _no_autocast_cache(), hosts.constants(recorder):
+    with call_scope(watch), hosts.constants(recorder):
         try:
             hosts.stand_in()
             graph, out = backend.capture(device, recorded, rng_free=rng_free)
@@ -299,6 +299,15 @@ def _first_line(exc: BaseException) -> str:
 
 
 _NO_BLOCK = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def call_scope(watch: Watch) -> Iterator[None]:
+    """What every warmup and capture of a graphed call runs under (output variants'
+    captures too): nested graphed calls run eagerly (``nested_block``), the watch sees
+    what the call reads (``running``), and autocast caches no casts."""
+    with nested_block(), running(watch), _no_autocast_cache():
+        yield
 
 
 @contextlib.contextmanager

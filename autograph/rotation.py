@@ -29,8 +29,8 @@ import torch
 
 from .buffers import _overlaps
 from .flat import Flat
-from .guards import Watch, running
-from .lifecycle import CAPTURE_LOCK, _no_autocast_cache, nested_block
+from .guards import Watch
+from .lifecycle import CAPTURE_LOCK, call_scope
 from .replay import Captured, Holder, refcount, use_count
 from .vocab import EagerReason, Uncapturable, logger
 
@@ -155,7 +155,7 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
             buffer.copy_(out)
             return out
 
-        with nested_block(), running(watch), _no_autocast_cache():
+        with call_scope(watch):
             graph, out = backend.capture(device, body, rng_free=rng_free)
         return Slot(graph, out, buffer)
 

@@ -18,24 +18,53 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import autograph
+import autograph.lookup
 from autograph.cli.bench_generate import build_model
 from autograph.dispatch import Engine
 
 
-def device_ms(fn):
+def device_ms(fn, kernels=0, per=1):
     """(kernel milliseconds of one run of ``fn``, host microseconds per
-    ``cudaGraphLaunch`` in it or NaN), from one torch.profiler trace."""
+    ``cudaGraphLaunch`` in it or NaN), from one torch.profiler trace; with ``kernels``,
+    prints that many kernels with the most device time (µs per ``per``: a token)."""
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
     total_us, launch_us = 0.0, float("nan")
+    rows = []
     for evt in prof.key_averages():
         if evt.key == "cudaGraphLaunch" and evt.count:
             launch_us = evt.cpu_time_total / evt.count
         if evt.device_type == DeviceType.CUDA:  # kernels and copies, not the CPU ops
-            total_us += getattr(evt, "self_device_time_total", 0.0) or getattr(
+            us = getattr(evt, "self_device_time_total", 0.0) or getattr(
                 evt, "self_cuda_time_total", 0.0)
+            total_us += us
+            rows.append((us, evt.count, evt.key))
+    for us, count, name in sorted(rows, reverse=True)[:kernels]:
+        print(f"      {us / per:8.1f} us/token {count / per:6.1f}x  {name[:90]}")
+    if kernels:
+        print(f"      {len(rows)} kernels, {sum(r[1] for r in rows) / per:.1f} launches/token")
     return total_us / 1e3, launch_us
+
+
+def launch_us(fast, rounds=20):
+    """Host µs per ``graph.replay()`` of the largest captured graph, unprofiled (the
+    launches queued back to back, then one wait), and device µs per replay."""
+    engines = autograph.lookup._engines_of(fast)
+    graphs = [e.graph.graph for eng in engines for e in eng.cache.entries.values()
+              if e.graph is not None]
+    if not graphs:
+        return float("nan"), float("nan")
+    graph = graphs[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        graph.replay()
+    queued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    return 1e6 * queued / rounds, 1e6 * total / rounds
 
 
 def wall_ms(fn, runs=3):
@@ -61,6 +90,8 @@ def profiled(fn):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--kernels", type=int, default=0,
+                   help="print this many kernels with the most device time per path")
     p.add_argument("--profile", action="store_true",
                    help="also print a cProfile of autograph's generate (top functions)")
     args = p.parse_args()
@@ -95,7 +126,7 @@ def main():
         for name, fn in paths.items():
             fn()  # set-up, capture, compilation
             wall = wall_ms(fn) / args.new
-            dev, launch = device_ms(fn)
+            dev, launch = device_ms(fn, args.kernels, args.new)
             dev /= args.new
             line = (f"{name:<24} wall {wall:7.3f} ms/token   device {dev:7.3f} ms/token   "
                     f"host-added {wall - dev:7.3f}")
@@ -113,6 +144,9 @@ def main():
             print(line, flush=True)
             if name == "autograph":
                 print(f"    graph launch (host, per cudaGraphLaunch, profiled): {launch:6.1f} us")
+                queued, replayed = launch_us(fast)
+                print(f"    graph replay unprofiled: host {queued:6.1f} us, "
+                      f"host and device {replayed:6.1f} us per replay")
             if name == "autograph" and args.profile:
                 profiled(fn)
 

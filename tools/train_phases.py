@@ -48,11 +48,29 @@ def run_step(forward, opt, x, y, clock, times):
             times[name].append((b - a) * 1e6)
 
 
+def profiled(methods, x, y, steps=300):
+    """A cProfile of ``steps`` steps per method, the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    for name, (forward, opt) in methods.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(steps):
+            run_step(forward, opt, x, y, time.perf_counter, None)
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"== cProfile, {name}, {steps} steps")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a cProfile of 300 steps per method (top functions)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("train_phases: needs CUDA; nothing to measure here")
@@ -93,6 +111,8 @@ def main():
         print(f"{name:24s} " + " ".join(f"{m:9.1f}" for m in med)
               + f" {sum(med):9.1f} {statistics.median(wall[name]):8.1f} {len(kernels):8d}"
               f" {device_us:9.1f}")
+    if a.profile:
+        profiled(methods, x, y)
     for name, (forward, _) in methods.items():
         if name.startswith("autograph"):
             s = autograph.stats(forward)

@@ -100,6 +100,10 @@ class GraphCache:
         # keys whose graphs an invalidation dropped while what warming up learns still
         # holds (``Watch.moved_only``): their next call captures without warming up
         self.known: set[GraphKey] = set()
+        # keys with object arguments whose graph was captured, without addresses
+        # (``GraphKey.unaddressed``): a new key with the same structure (a new cache of
+        # the same shapes) behaves as that one did, and captures without warming up
+        self.shapes: set[GraphKey] = set()
         # called whenever a graph is freed: a bucketer's routes hold graphs' runners
         self.on_forget: Callable[[], None] | None = None
 
@@ -147,6 +151,9 @@ class GraphCache:
                 if key in self.known:
                     self.known.discard(key)
                     entry.runs = self.options.warmup
+                    entry.direct = True
+                elif self.shapes and key.unaddressed() in self.shapes:
+                    entry.runs = max(self.options.warmup, 1)  # (objects learn once)
                     entry.direct = True
                 self.uses = entry.used = self.uses + 1
                 self.trim()
@@ -232,6 +239,8 @@ class GraphCache:
             known = {k for k, e in self.entries.items() if e.graph is not None and e.repeat}
             self.drop(list(self.entries))
             self.known = known if keep_known else set()
+            if not keep_known:
+                self.shapes.clear()
             if not keep_known:
                 self.inplace.clear()
 

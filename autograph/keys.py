@@ -29,6 +29,7 @@ from .objects import (
     object_key,
     open_mapping,
     portable_state,
+    unaddressed,
 )
 from .vocab import EagerReason, Uncapturable
 
@@ -87,6 +88,14 @@ class GraphKey(NamedTuple):
     def base(self) -> GraphKey:
         """The key without the addresses of arguments written in place."""
         return self._replace(written=()) if self.written else self
+
+    def unaddressed(self) -> GraphKey:
+        """The key without addresses: those of arguments written in place and of the
+        tensors inside object arguments.  A call passing a new object of the same
+        structure (the cache of the next ``generate()``, allocated elsewhere) has
+        another key but this one (``GraphCache.shapes``)."""
+        leaves = tuple(unaddressed(p) if type(p) is ObjectKey else p for p in self.leaves)
+        return self._replace(leaves=leaves, written=())
 
     def digest(self) -> int:
         """A digest equal on every rank for equal calls: device indexes and addresses

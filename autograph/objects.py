@@ -151,6 +151,13 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     return finished
 
 
+def unaddressed(part: ObjectKey) -> ObjectKey:
+    """``part`` with every tensor's address left out (see ``GraphKey.unaddressed``)."""
+    tensors = tuple(t._replace(ptr=0) for t in part.tensors)
+    return _new(ObjectKey, (part.kind, part.state, tensors,
+                            hash((part.kind, part.state, tensors))))
+
+
 def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:
     """What the call changed in an object's structure (None if nothing), for a reason."""
     if before == after:

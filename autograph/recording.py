@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import gate, lifecycle, replay, rotation, training
-from .cache import Entry
+from .cache import Entry, GraphCache
 from .capture import Backend
 from .flat import Flat
 from .keys import GraphKey
+from .objects import ObjectKey
 from .vocab import Action, EagerReason, State, Uncapturable, logger
 
 if TYPE_CHECKING:  # the engine calls in; this module never calls it at import
@@ -132,9 +133,25 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         # after an invalidation that keeps its behaviour, capture it again at once
         trains = engine.for_backward(key, flat)
         entry.repeat = not flat.objects and engine.options.min_speedup is None and not trains
+        if flat.objects and engine.options.min_speedup is None and not trains:
+            _learned(engine.cache, key)
         frozen = bool(key.modes[0]) and engine.trains and not trains
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start,
                      frozen)
+
+def _learned(cache: GraphCache, key: GraphKey) -> None:
+    """A key with object arguments captured: a later key of the same structure at other
+    addresses captures without warming up (``GraphCache.shapes``; bounded, as keys are).
+    Not where an object holds a host tensor next to device work: its value, which the
+    key does not hold, may steer the call's Python, and a warmup would find that."""
+    if any(t.version is not None for part in key.leaves if type(part) is ObjectKey
+           for t in part.tensors):
+        return
+    shapes = cache.shapes
+    if len(shapes) >= 8 * cache.options.max_graphs:
+        shapes.clear()
+    shapes.add(key.unaddressed())
+
 
 def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,
           nbytes: int, seconds: float, frozen: bool = False) -> Any:

@@ -274,6 +274,73 @@ def test_a_graph_keeps_no_object_argument_of_its_capture_alive(standin):
     assert [r() for r in refs] == [None] * 4
 
 
+class _Kv:
+    """A cache object of its own memory (each one at other addresses)."""
+
+    def __init__(self, rows=2):
+        self.k = torch.zeros(rows, 4)
+        self.steps = 3
+
+
+def test_a_new_object_of_a_captured_structure_is_captured_without_warming_up():
+    """A key whose object argument has the structure of one already captured, at other
+    addresses (the next ``generate()``'s cache), is captured at its first call: its
+    replays write the new object, never the old one; another structure warms up."""
+    lin = nn.Linear(4, 4)
+
+    def f(x, kv):
+        kv.k.add_(lin(x))
+        return kv.k * 2
+
+    g = autograph.graphed(f)
+    kept = []
+    with torch.no_grad():
+        for n in range(3):
+            kv = _Kv()
+            kept.append(kv)  # alive: the next object cannot take its addresses
+            want = torch.zeros(2, 4)
+            before = dict(autograph.stats(g))
+            for _ in range(4):
+                x = torch.randn(2, 4)
+                want += lin(x)
+                torch.testing.assert_close(g(x, kv), want * 2)
+            torch.testing.assert_close(kv.k, want)
+            s = autograph.stats(g)
+            warmups = s["eager_reasons"].get("warmup", 0) - before.get(
+                "eager_reasons", {}).get("warmup", 0)
+            assert s["captures"] - before.get("captures", 0) == 1, s
+            assert warmups == (2 if n == 0 else 0), s
+            assert s["replays"] - before.get("replays", 0) == (1 if n == 0 else 3), s
+        for kv, old in zip(kept, [k.k.clone() for k in kept]):
+            torch.testing.assert_close(kv.k, old)  # written by its own calls only
+        before = dict(autograph.stats(g))
+        g(torch.randn(3, 4), _Kv(rows=3))  # another structure: a warmup
+        assert autograph.stats(g)["eager_reasons"]["warmup"] == \
+            before["eager_reasons"]["warmup"] + 1
+
+
+def test_an_object_with_a_host_tensor_next_to_device_work_always_warms_up():
+    """Its host tensor's value is not in the key and may steer the call's Python: a new
+    object of its structure is warmed up as any new key (``recording._learned``)."""
+    from autograph.cache import GraphCache
+    from autograph.keys import GraphKey
+    from autograph.objects import ObjectTensor
+    from autograph.options import Options
+    from autograph.recording import _learned
+    from autograph.stats import Stats
+
+    def key(version):
+        t = ObjectTensor(torch.Size([]), (), torch.int64, torch.device("cpu"), 64, version)
+        part = ObjectKey(_Kv, ("attrs",), (t,), 1)
+        return GraphKey(1, (part,), (), (), None)
+
+    cache = GraphCache(Options(), Stats("f"))
+    _learned(cache, key(3))
+    assert not cache.shapes
+    _learned(cache, key(None))
+    assert cache.shapes == {key(None).unaddressed()}
+
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -343,6 +410,27 @@ def test_one_static_cache_reset_between_generates_replays_across_them():
     s = autograph.stats(g)  # the decode step once; the prefill at its third generate
     assert first["captures"] == 1 and s["captures"] == 2, (first, s)
     assert s["replays"] - first["replays"] >= 3 * 7 - 2, (first, s)
+
+
+def test_each_generate_captures_its_new_cache_without_warming_up():
+    """transformers makes a new cache per ``generate()``: its decode step is a new key
+    (the cache's addresses), of the structure captured before, so after the first
+    generate only the prefill runs eagerly; tokens as eager's."""
+    model = _tiny("llama")
+    model.generation_config.eos_token_id = model.config.eos_token_id = None  # all 8 tokens
+    g = autograph.graphed(model)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0,
+              cache_implementation="static", disable_compile=True)
+    before = None
+    for _ in range(4):
+        ids = torch.randint(1, 96, (1, 4))
+        want = model.generate(ids, **kw)
+        assert torch.equal(g.generate(ids, **kw), want)
+        s = dict(autograph.stats(g))
+        if before is not None:  # the prefill eager; the first decode step captured
+            assert s["eager"] - before["eager"] == 1, (before, s)
+            assert s["replays"] - before["replays"] >= 6, (before, s)
+        before = s
 
 
 def test_generate_with_verify_every_replays_and_stays_exact():

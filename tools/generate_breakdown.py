@@ -18,7 +18,6 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import autograph
-import autograph.lookup
 from autograph.cli.bench_generate import build_model
 from autograph.dispatch import Engine
 
@@ -35,7 +34,8 @@ def device_ms(fn, kernels=0, per=1):
     for evt in prof.key_averages():
         if evt.key == "cudaGraphLaunch" and evt.count:
             launch_us = evt.cpu_time_total / evt.count
-        if evt.device_type == DeviceType.CUDA:  # kernels and copies, not the CPU ops
+        if evt.device_type == DeviceType.CUDA and not evt.key.startswith("autograph."):
+            # kernels and copies: not the CPU ops, nor autograph's ranges around replays
             us = getattr(evt, "self_device_time_total", 0.0) or getattr(
                 evt, "self_cuda_time_total", 0.0)
             total_us += us
@@ -45,26 +45,6 @@ def device_ms(fn, kernels=0, per=1):
     if kernels:
         print(f"      {len(rows)} kernels, {sum(r[1] for r in rows) / per:.1f} launches/token")
     return total_us / 1e3, launch_us
-
-
-def launch_us(fast, rounds=20):
-    """Host µs per ``graph.replay()`` of the largest captured graph, unprofiled (the
-    launches queued back to back, then one wait), and device µs per replay."""
-    engines = autograph.lookup._engines_of(fast)
-    graphs = [e.graph.graph for eng in engines for e in eng.cache.entries.values()
-              if e.graph is not None]
-    if not graphs:
-        return float("nan"), float("nan")
-    graph = graphs[0]
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        graph.replay()
-    queued = time.perf_counter() - start
-    torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    return 1e6 * queued / rounds, 1e6 * total / rounds
 
 
 def wall_ms(fn, runs=3):
@@ -144,9 +124,6 @@ def main():
             print(line, flush=True)
             if name == "autograph":
                 print(f"    graph launch (host, per cudaGraphLaunch, profiled): {launch:6.1f} us")
-                queued, replayed = launch_us(fast)
-                print(f"    graph replay unprofiled: host {queued:6.1f} us, "
-                      f"host and device {replayed:6.1f} us per replay")
             if name == "autograph" and args.profile:
                 profiled(fn)
 

@@ -74,6 +74,32 @@ def test_graphed_model_generate_replays():
     assert s["replays"] >= 0.9 * (s["calls"] - 1), s
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def test_later_generates_capture_their_new_cache_without_warming_up(kind):
+    """Each generate() makes a new cache, at addresses of its own or the last one's:
+    after the first generate, at most the prefill runs eagerly (the decode step of a new
+    cache is captured at its first call), and every generate's tokens are eager's."""
+    pytest.importorskip("transformers")
+    model = decoder(kind, device="cuda")
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    ids, mask = prompt(2, device="cuda")
+    kw = dict(attention_mask=mask, max_new_tokens=NEW // 2, do_sample=False,
+              pad_token_id=0, cache_implementation="static", disable_compile=True)
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        want = model.generate(ids, **kw)
+        assert torch.equal(g.generate(ids, **kw), want)
+        first = dict(autograph.stats(g))
+        for _ in range(3):
+            assert torch.equal(g.generate(ids, **kw), want)
+    s = autograph.stats(g)
+    later = s["calls"] - first["calls"]
+    print(f"\n{kind}: later generates {s['replays'] - first['replays']}/{later} replayed, "
+          f"{s['captures'] - first['captures']} captures, {s['eager'] - first['eager']} eager")
+    assert s["eager"] - first["eager"] <= 3, (first, s)  # the prefills at most
+    assert s["replays"] - first["replays"] >= later - 6, (first, s)
+
+
 def test_sentence_transformers_encode_with_buckets():
     pytest.importorskip("sentence_transformers")
     st = sentence_transformer(device="cuda")

@@ -89,8 +89,8 @@ class KeyMemo:
 
 
 def same_tensors(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:
-    """A check that a list of tensors has, one by one, the metadata (as the memo's
-    check reads it) and the addresses that ``tensors`` have now: what an object
+    """A check that a list of tensors has, one by one, the Python type, the metadata (as
+    the memo's check reads it) and the addresses that ``tensors`` have now: what an object
     argument's finished key holds of its tensors (``objects.finish``)."""
     ptrs = [t.data_ptr() for t in tensors]
     n = len(ptrs)
@@ -113,4 +113,4 @@ def same_tensors(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], 
 
 
 def _metadata(tensors: list[torch.Tensor]) -> list[tuple[Any, ...]]:
-    return [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) for t in tensors]
+    return [(type(t), t.shape, t.stride(), t.dtype, t.device, t.data_ptr()) for t in tensors]

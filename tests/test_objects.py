@@ -433,6 +433,29 @@ def test_each_generate_captures_its_new_cache_without_warming_up():
         before = s
 
 
+def test_a_static_cache_tensor_turned_into_a_subclass_is_not_replayed():
+    """The keyer's record of a ``StaticCache`` compares its values by identity; a tensor
+    whose ``__class__`` is reassigned is the same object, and the tensors' check finds it."""
+
+    class Marked(torch.Tensor):
+        pass
+
+    model = _tiny("llama")
+    kw = dict(max_new_tokens=2, do_sample=False, pad_token_id=0,
+              cache_implementation="static", disable_compile=True, return_dict_in_generate=True)
+    cache = model.generate(torch.randint(1, 96, (1, 4)), **kw).past_key_values
+    g = autograph.graphed(lambda x, c: x + c.layers[0].keys.sum())
+    x = torch.randn(3)
+    with torch.no_grad():
+        for _ in range(4):
+            g(x, cache)
+        assert autograph.stats(g)["replays"] == 1
+        cache.layers[0].keys.__class__ = Marked
+        g(x, cache)
+    s = autograph.stats(g)
+    assert s["replays"] == 1 and s["eager_reasons"].get("unkeyable_argument"), s
+
+
 def test_generate_with_verify_every_replays_and_stays_exact():
     """Decode steps take a cache object, which an eager rerun would advance twice: they
     are replayed but not verified (and a verified attention graph would be, see

@@ -241,7 +241,6 @@ class GraphCache:
             self.known = known if keep_known else set()
             if not keep_known:
                 self.shapes.clear()
-            if not keep_known:
                 self.inplace.clear()
 
     def graph_keys(self) -> list[tuple[GraphKey, tuple[int, ...]]]:

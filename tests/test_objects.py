@@ -317,6 +317,13 @@ def test_a_new_object_of_a_captured_structure_is_captured_without_warming_up():
         g(torch.randn(3, 4), _Kv(rows=3))  # another structure: a warmup
         assert autograph.stats(g)["eager_reasons"]["warmup"] == \
             before["eager_reasons"]["warmup"] + 1
+        autograph.reset(g)  # forgets the structures too: a new object warms up again
+        before = dict(autograph.stats(g))
+        kept.append(_Kv())
+        g(torch.randn(2, 4), kept[-1])
+        s = autograph.stats(g)
+        assert s["captures"] == before["captures"], s
+        assert s["eager_reasons"]["warmup"] == before["eager_reasons"]["warmup"] + 1, s
 
 
 def test_an_object_with_a_host_tensor_next_to_device_work_always_warms_up():

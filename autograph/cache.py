@@ -53,7 +53,7 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest", "repeat", "direct", "contained", "warm_first", "draws",
+        "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
     )
 
     def __init__(self) -> None:
@@ -78,6 +78,9 @@ class Entry:
         # whether the call draws random numbers on the device, as its warmup found
         # (None: unknown); a call known to draw none is captured without the generator
         self.draws: bool | None = None
+        # its key has the structure of a key captured (``GraphCache.shapes``): captured
+        # after the warmup that learns what the call does to this object
+        self.shaped = False
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""
@@ -101,9 +104,12 @@ class GraphCache:
         # holds (``Watch.moved_only``): their next call captures without warming up
         self.known: set[GraphKey] = set()
         # keys with object arguments whose graph was captured, without addresses
-        # (``GraphKey.unaddressed``): a new key with the same structure (a new cache of
-        # the same shapes) behaves as that one did, and captures without warming up
-        self.shapes: set[GraphKey] = set()
+        # (``GraphKey.unaddressed``), each with whether a new key of that structure (a
+        # new cache of the same shapes) is captured at its first call: True where every
+        # object is of a known type (``known_types``: transformers' caches), else after
+        # one warmup, which learns what the call does to this very object (code may
+        # keep state of its own per object: a first call that differs)
+        self.shapes: dict[GraphKey, bool] = {}
         # called whenever a graph is freed: a bucketer's routes hold graphs' runners
         self.on_forget: Callable[[], None] | None = None
 
@@ -139,8 +145,9 @@ class GraphCache:
         mine = [i for i in flat.tensor_pos if id(leaves[i]) in ids]
         return tuple(sorted({*positions, *mine})) if mine else positions
 
-    def entry(self, key: GraphKey) -> Entry:
-        """The entry of ``key``, made (and the cache trimmed) if it is new."""
+    def entry(self, key: GraphKey, flat: Flat | None = None) -> Entry:
+        """The entry of ``key`` (for the call ``flat``), made (and the cache trimmed) if
+        it is new."""
         entry = self.entries.get(key)
         if entry is not None:
             return entry
@@ -152,9 +159,15 @@ class GraphCache:
                     self.known.discard(key)
                     entry.runs = self.options.warmup
                     entry.direct = True
-                elif self.shapes and key.unaddressed() in self.shapes:
-                    entry.runs = max(self.options.warmup, 1)  # (objects learn once)
-                    entry.direct = True
+                elif self.shapes:
+                    known = self.shapes.get(key.unaddressed())
+                    # known types: no warmup at all, unless an argument shares memory
+                    # with the object (the warmup learns that the call writes it)
+                    if known and (flat is None or not _shares(flat)):
+                        entry.runs = max(self.options.warmup, 1)  # (objects learn once)
+                        entry.direct = True
+                    elif known is not None:
+                        entry.shaped = True
                 self.uses = entry.used = self.uses + 1
                 self.trim()
             return entry
@@ -248,6 +261,13 @@ class GraphCache:
         return [(k, self.inplace.get(k.base(), ())) for k, e in list(self.entries.items())
                 if e.graph is not None]
 
+
+
+def _shares(flat: Flat) -> bool:
+    """Whether a tensor argument shares storage with a tensor inside an object argument."""
+    inside = flat.object_storages()
+    leaves = flat.leaves
+    return any(leaves[i].numel() and storage_ptr(leaves[i]) in inside for i in flat.tensor_pos)
 
 
 def _sharing(flat: Flat, positions: set[int]) -> set[int]:

@@ -128,7 +128,7 @@ class Engine:
             key, flat, backend, device = self._key(args, kwargs)
             entry = self.cache.entries.get(key)
             if entry is None:
-                entry = self._new_entry(key, args, kwargs)
+                entry = self._new_entry(key, args, kwargs, flat)
         except Uncapturable as exc:
             if self.ranks is not None and not _is_nested():
                 self.ranks.agree(Action.EAGER, 0, self.stats.name)
@@ -221,14 +221,15 @@ class Engine:
     def _autograd_records(self, flat: Flat) -> bool:
         return flat.requires_grad() or self.watch.requires_grad()
 
-    def _new_entry(self, key: GraphKey, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Entry:
+    def _new_entry(self, key: GraphKey, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   flat: Flat) -> Entry:
         misfit = self.misfit(args, kwargs)  # arguments that do not bind: eager raises
         if misfit is not None:  # their TypeError, with no warmup counted and no entry made
             raise Uncapturable(EagerReason.BAD_ARGUMENTS, misfit)
         self._fresh += 1
         if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
             self.give_up_all(f"{self._fresh} new keys in a row without a replay")
-        return self.cache.entry(key)
+        return self.cache.entry(key, flat)
 
     def give_up_all(self, why: str) -> None:
         """Stop warming up and capturing: every later call runs eagerly at once."""

@@ -136,7 +136,6 @@ class Watch:
     def _current_ptrs(self) -> list[int]:
         return list(map(_ptr, map(_getitem, self._holders, self._names)))
 
-
     # -- the per-call check --------------------------------------------------------
     def ok(self) -> bool:
         """True while nothing a graph baked in has changed."""
@@ -262,14 +261,17 @@ class Watch:
         """The parameters and buffers of the watched trees."""
         return map(_getitem, self._holders, self._names)
 
+    def named(self) -> list[torch.Tensor]:
+        """The tensors the code names (a global, a closure's, ``self.k`` of no module)."""
+        return [v for _, v in self._refs if isinstance(v, torch.Tensor)]
+
     def storage_ptrs(self, device: torch.device | None = None) -> set[int]:
         """Storage addresses of the watched parameters, buffers and named tensors (with
         ``device``, those that a graph on it reads at replay).  A host tensor read by a
-        device graph is left out: its value is baked in at capture (a 0-dim CPU tensor is a kernel's
-        scalar argument), so it is guarded as a hidden read, by version too."""
-        tensors = [*self.tensors(), *(v for _, v in self._refs if isinstance(v, torch.Tensor))]
+        device graph is left out: its value is baked in at capture (a 0-dim CPU tensor is
+        a kernel's scalar argument), so it is guarded as a hidden read, by version too."""
         host = device is not None and device.type != "cpu"
-        return {t.untyped_storage().data_ptr() for t in tensors
+        return {t.untyped_storage().data_ptr() for t in (*self.tensors(), *self.named())
                 if not (host and t.device.type == "cpu")}
 
     # -- assignment hook plumbing ----------------------------------------------------

@@ -214,9 +214,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     leaves = list(flat.leaves)
     static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
     args, kwargs = flat.rebuild(static.substitute(leaves))
-    state = list(watch.tensors())
+    state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))
-    for n, t in enumerate(state):  # parameters and buffers as negative positions
+    for n, t in enumerate(state):  # parameters, buffers, named tensors: negative positions
         if t.numel():
             watched.setdefault(storage_ptr(t), []).append(-1 - n)
     hosts = counters.hold(flat)  # host counters: learned, put back, advanced by replays

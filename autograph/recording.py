@@ -20,6 +20,7 @@ from .cache import Entry, GraphCache
 from .capture import Backend
 from .flat import Flat
 from .keys import GraphKey
+from .known_types import keyer_for
 from .objects import ObjectKey
 from .vocab import Action, EagerReason, State, Uncapturable, logger
 
@@ -52,6 +53,8 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         entry.give_up(warmed.problem.reason, warmed.problem.detail)
         return warmed.out
     entry.runs += 1
+    if entry.shaped:  # the structure of a key captured: its learning warmup is enough
+        entry.runs = max(entry.runs, options.warmup)
     if warmed.seeded is not None:
         entry.draws = warmed.seeded or bool(entry.draws)
     if timed:
@@ -141,16 +144,17 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
 
 def _learned(cache: GraphCache, key: GraphKey) -> None:
     """A key with object arguments captured: a later key of the same structure at other
-    addresses captures without warming up (``GraphCache.shapes``; bounded, as keys are).
-    Not where an object holds a host tensor next to device work: its value, which the
-    key does not hold, may steer the call's Python, and a warmup would find that."""
-    if any(t.version is not None for part in key.leaves if type(part) is ObjectKey
-           for t in part.tensors):
+    addresses is captured at its first call where every object is of a known type,
+    else after one warmup (``GraphCache.shapes``; bounded, as keys are).  Not where an
+    object holds a host tensor next to device work: its value, which the key does not
+    hold, may steer the call's Python, and every warmup would find that."""
+    parts = [part for part in key.leaves if type(part) is ObjectKey]
+    if any(t.version is not None for part in parts for t in part.tensors):
         return
     shapes = cache.shapes
     if len(shapes) >= 8 * cache.options.max_graphs:
         shapes.clear()
-    shapes.add(key.unaddressed())
+    shapes[key.unaddressed()] = all(keyer_for(part.kind) is not None for part in parts)
 
 
 def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,

@@ -14,7 +14,7 @@ written by this key's graphs.
 
 Only for graphs with one output that lives in the pool (up to :data:`MAX_BYTES`) and
 nothing else to hand back: no host counters, no random numbers, no state written, no
-object arguments.
+object arguments, no tensor read from outside the arguments and parameters.
 The first replay hands out a clone; the second captures the first variant, and the
 first call that finds every buffer held captures the next (``Rotation.grow``).  A
 variant that cannot be captured ends the rotation: clones from then on.
@@ -133,10 +133,14 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
            rng_free: bool) -> None:
     """Give a plain graph output variants (``rotation.py``) where it can have them: one
     output in the pool, and nothing a second capture could change or repeat (host
-    counters, random numbers, parameters or arguments written, object arguments)."""
+    counters, random numbers, parameters or arguments written, object arguments), nor
+    that a replay more than the calls' could write (a tensor read from outside the
+    arguments and parameters, a closure's or a plain object's, written in place: the
+    check of each new variant replays the graphs once more)."""
     single = getattr(captured.build, "single_output", None)
     if (single is None or captured.reuse or captured.effects is not None or captured.seeded
             or captured.state_written or captured.inplace or flat.objects
+            or captured.hidden  # state read from elsewhere may be written: no extra replay
             or use_count is None or _overlaps(single)  # (a buffer cannot be written so)
             or single.numel() * single.element_size() > MAX_BYTES):
         return

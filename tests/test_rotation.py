@@ -103,6 +103,38 @@ def check_alternating_keys(device):
     assert autograph.stats(g)["replays"] >= 10
 
 
+def check_state_the_code_names_is_written_once_per_call(device, verify_every=None):
+    """A tensor the function names (a global, a closure's, a plain object's ``self.k``)
+    and writes in place is written once per call, as in eager mode: no output variant
+    (whose check replays the graphs once more), no second write by a verified replay."""
+    count = torch.zeros(4, device=device)
+
+    def step(x):
+        count.add_(1)
+        return x * 2 + count
+
+    class Cache:  # no module: its tensor is named by the code (``self.k``)
+        def __init__(self):
+            self.k = torch.zeros(4, device=device)
+
+        @autograph.graphed(warmup=1, verify_every=verify_every)
+        def add(self, x):
+            self.k.add_(x)
+            return self.k * 1
+
+    g = autograph.graphed(step, warmup=1, verify_every=verify_every)
+    cache = Cache()
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.full((4,), float(i), device=device)
+            torch.testing.assert_close(g(x), x * 2 + i + 1)
+            torch.testing.assert_close(cache.add(torch.ones(4, device=device)),
+                                       torch.full((4,), i + 1.0, device=device))
+    assert count.tolist() == [8.0] * 4 and cache.k.tolist() == [8.0] * 4
+    s = autograph.stats(g)
+    assert s["replays"] == 6 and s["verify_failures"] == 0, s
+
+
 def check_outputs_match_eager_mode(device):
     """Inference tensors where eager gives them, a result the caller may write."""
     model = mlp(device)
@@ -180,6 +212,11 @@ def test_no_variants_for_graphs_that_draw_write_or_keep_several_outputs(standin)
             g(torch.randn(3, 8))
             noisy(torch.randn(3, 8))
     assert standin.captures == 2
+
+
+@pytest.mark.parametrize("verify_every", [None, 2])
+def test_state_the_code_names_is_written_once_per_call(standin, verify_every):
+    check_state_the_code_names_is_written_once_per_call("cpu", verify_every)
 
 
 def test_threads_never_share_a_held_buffer(standin):

@@ -11,6 +11,7 @@ from ..test_rotation import (
     check_held_outputs_are_never_written,
     check_outputs_match_eager_mode,
     check_rebinding_loop,
+    check_state_the_code_names_is_written_once_per_call,
 )
 
 pytestmark = [pytest.mark.gpu,
@@ -42,3 +43,8 @@ def test_alternating_keys_keep_their_outputs():
 
 def test_outputs_are_inference_tensors_where_eager_gives_them():
     check_outputs_match_eager_mode("cuda")
+
+
+@pytest.mark.parametrize("verify_every", [None, 2])
+def test_state_the_code_names_is_written_once_per_call(verify_every):
+    check_state_the_code_names_is_written_once_per_call("cuda", verify_every)

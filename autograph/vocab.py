@@ -87,7 +87,7 @@ _MESSAGES = {
     EagerReason.HOOKS: "module hooks would not replay",
     EagerReason.AUTOGRAD: "autograd would record this call and it is not graphed for "
                           "training (backward=False, or group=; use torch.no_grad())",
-    EagerReason.ASSIGNS: "the forward assigns a module attribute",
+    EagerReason.ASSIGNS: "the forward assigns an attribute (of a module or an argument object)",
     EagerReason.HOST_RANDOM: "the forward draws host random numbers to decide what to run",
     EagerReason.RNG_STATE: "the forward reads the generator's state and draws random "
                            "numbers (activation checkpointing): a graph would keep the "

@@ -23,8 +23,10 @@ from torch.utils import _pytree as pytree
 
 from .flat import size_leaf
 from .mutation import storage_ptr
+from .objects import object_key
 from .sharing import Shared, is_clone
 from .vocab import EagerReason, Uncapturable
+from .walk import Walked
 
 # non-tensor outputs that a replay may hand back as they were at capture
 _CONSTANT_OUTPUTS = (
@@ -127,12 +129,16 @@ def output_builder(
     persistent: set[int],
     reuse: bool = False,
     aliases: bool = True,
+    walks: tuple[tuple[int, Walked], ...] = (),
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
     Each tensor of ``output`` is classified once:
     * a view of an argument (static buffer or in-place) becomes the same view of the
       caller's tensor for that argument;
+    * a tensor inside an object argument (``return cache.k``; ``walks``: each
+      object's position and walk) becomes that tensor of the call's own object, found
+      by walking it again on every call (only for keys with such outputs);
     * a tensor that outlives the graph (a parameter, buffer or global, in
       ``persistent``) is returned as it is;
     * anything else lives in the graph pool and is cloned on every call; with
@@ -155,10 +161,14 @@ def output_builder(
     # object arguments (passed through, objects.py) returned as they are
     objects = {id(v): i for i, v in enumerate(leaves)
                if not isinstance(v, (torch.Tensor, *_CONSTANT_OUTPUTS))}
+    inside = _object_storages(walks, arg_storage)
     makers: list[Callable[[list[Any]], Any]] = []
     for value in flat:
         if objects and id(value) in objects:
             makers.append(_argument_object(objects[id(value)]))
+            continue
+        if inside and isinstance(value, torch.Tensor) and storage_ptr(value) in inside:
+            makers.append(_object_tensor(value, *inside[storage_ptr(value)]))
             continue
         makers.append(_leaf_maker(value, arg_storage, persistent, reuse))
     pool_outputs = [v for v, make in zip(flat, makers) if is_clone(make)]
@@ -251,6 +261,44 @@ def _children(spec: Any) -> list[Any]:
 def _argument_object(i: int) -> Callable[[list[Any]], Any]:
     """An output that is an object argument: the call's own object at replay."""
     return lambda leaves: leaves[i]
+
+
+def _object_storages(objects: tuple[tuple[int, Walked], ...],
+                     arg_storage: dict[int, tuple[int, torch.Tensor]]
+                     ) -> dict[int, tuple[int, int, torch.Tensor]]:
+    """Storage address -> (the object's position, the tensor's index in its walk, the
+    tensor) for the tensors inside object arguments (not those of a tensor argument)."""
+    out: dict[int, tuple[int, int, torch.Tensor]] = {}
+    for pos, walked in objects:
+        for k, t in enumerate(walked.tensors):
+            if t.numel():
+                out.setdefault(storage_ptr(t), (pos, k, t))
+    for ptr in arg_storage:
+        out.pop(ptr, None)
+    return out
+
+
+def _object_tensor(value: torch.Tensor, pos: int, k: int, base: torch.Tensor
+                   ) -> Callable[[list[Any]], Any]:
+    """An output that is (a view of) the ``k``-th tensor of the object argument at
+    ``pos``: the same view of that tensor of the call's own object, as eager returns it
+    (the tensor itself for ``return cache.k``).  The key holds the object's structure
+    and addresses, so its ``k``-th tensor is the one of the capture's geometry."""
+    if value.dtype != base.dtype:
+        raise Uncapturable(EagerReason.OUTPUT, "an output views an argument object's "
+                           "tensor as another dtype")
+    offset = value.storage_offset() - base.storage_offset()
+    size, stride = value.shape, value.stride()
+    whole = size == base.shape and stride == base.stride() and offset == 0
+    itself = value is base
+
+    def tensor(leaves: list[Any]) -> torch.Tensor:
+        t = object_key(leaves[pos])[1].tensors[k]
+        if whole:
+            return t if itself else t.detach()  # type: ignore[no-any-return]
+        return t.as_strided(size, stride, t.storage_offset() + offset)
+
+    return tensor
 
 
 def _leaf_maker(

@@ -265,14 +265,13 @@ class GraphCache:
 
 def _shares(flat: Flat) -> bool:
     """Whether a tensor argument shares storage with a tensor inside an object argument."""
-    inside = flat.object_storages()
-    leaves = flat.leaves
-    return any(leaves[i].numel() and storage_ptr(leaves[i]) in inside for i in flat.tensor_pos)
+    return bool(flat.object_sharers())
 
 
 def _sharing(flat: Flat, positions: set[int]) -> set[int]:
-    """``positions`` and every tensor argument that shares storage with one of them."""
+    """``positions`` and every tensor argument that shares storage with one of them or
+    with a tensor inside an object argument."""
     leaves = flat.leaves
     storages = {storage_ptr(leaves[i]) for i in positions if leaves[i].numel()}
-    return positions | {i for i in flat.tensor_pos
-                        if leaves[i].numel() and storage_ptr(leaves[i]) in storages}
+    return positions | set(flat.object_sharers()) | {
+        i for i in flat.tensor_pos if leaves[i].numel() and storage_ptr(leaves[i]) in storages}

@@ -63,8 +63,20 @@ class Flat:
     def object_storages(self) -> set[int]:
         """Storage addresses of the tensors inside object arguments (keyed by address:
         a graph may read them without a guard of its own)."""
-        return {t.untyped_storage().data_ptr() for _, walked, _, _ in self.objects
-                for t in walked.tensors if t.numel()}
+        return {base for _, walked, _, _ in self.objects for base in walked.bases}
+
+    def object_sharers(self) -> tuple[int, ...]:
+        """The tensor arguments that share storage with a tensor inside an object
+        argument (``cache.k`` passed beside ``cache``): a write through the object must
+        show in them, so they are keyed as such and captured in place."""
+        objects = self.objects
+        if not objects or not self.tensor_pos:
+            return ()
+        inside = objects[0][1].bases if len(objects) == 1 else self.object_storages()
+        leaves = self.leaves
+        return tuple(i for i in self.tensor_pos if leaves[i].numel() and
+                     leaves[i].data_ptr() - leaves[i].storage_offset()
+                     * leaves[i].element_size() in inside)
 
     def object_changes(self) -> str | None:
         """What the call changed in its object arguments' structure, or None."""

@@ -84,6 +84,7 @@ class Watch:
         self._ptrs: list[int] = []
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
+        self._named_ptrs: list[tuple[torch.Tensor, int]] = []
         self._configs: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (live, copy)
         self._owned = 0
         self._ids: list[int] = []
@@ -118,6 +119,9 @@ class Watch:
                         names.append(name)
         self._holders, self._names = holders, names
         self._refs = refs
+        # a named tensor given other memory in place (``K.data = ...``, ``set_``) is the
+        # same object at another address, which a graph does not follow
+        self._named_ptrs = [(v, v.data_ptr()) for _, v in refs if isinstance(v, torch.Tensor)]
         self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
         self._ptrs = self._current_ptrs()
         self._all = list(range(len(self._ptrs)))
@@ -152,6 +156,9 @@ class Watch:
             return False
         for get, value in self._refs:
             if not same(get(), value):
+                return False
+        for t, ptr in self._named_ptrs:
+            if t.data_ptr() != ptr:
                 return False
         if self._configs and not self._configs_same():
             return False
@@ -240,6 +247,8 @@ class Watch:
         n = self._owned
         if n:
             self._refs[-n:] = [(get, get()) for get, _ in self._refs[-n:]]
+            self._named_ptrs = [(v, v.data_ptr()) for _, v in self._refs
+                                if isinstance(v, torch.Tensor)]
 
     def owner_items(self) -> list[tuple[str, Any]] | None:
         """The attributes of the plain object whose method is graphed, or None."""

@@ -172,11 +172,21 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     aliases = _aliases(leaves, tensor_pos) if len(tensor_pos) > 1 else ()
     if memo is not None and type(structure) is int and len(tensor_pos) == structure:
         memo.learn(args, parts, device)  # plain positional tensors only
-    key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
     flat = Flat(leaves, len(args), names, spec, tensor_pos)
     if objs:
         flat.objects = tuple((i, walked, parts[i], device) for i, walked in objs)
+        shared = flat.object_sharers()
+        if shared:  # a graph must read these at the object's address: another key
+            aliases = (*aliases, ObjectSharing(shared))
+    key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
     return key, flat, device
+
+
+class ObjectSharing(NamedTuple):
+    """In ``GraphKey.aliases``: the tensor arguments that share storage with a tensor
+    inside an object argument (``Flat.object_sharers``)."""
+
+    positions: tuple[int, ...]
 
 
 class _Reopen(Exception):
@@ -236,7 +246,8 @@ def _aliases(leaves: Any, tensor_pos: tuple[int, ...]) -> tuple[Any, ...]:
     """Per tensor leaf, which earlier tensor leaf it *is* or shares storage with:
     ``()`` when none do (the common case), else one entry per tensor leaf, None or
     ``(j, same_object)``.  Graphs see aliasing (``mha(x, x, x)`` takes another path)
-    and static buffers keep it, so it is part of the key."""
+    and static buffers keep it, so it is part of the key (with, last, the
+    :class:`ObjectSharing` of a call whose arguments share an object's memory)."""
     seen: dict[int, int] = {}
     out: list[Any] = []
     shared = False

@@ -143,8 +143,9 @@ class Memo:
         self.layers, self.per_layer = layers, tuple(seen)
         self.state = state
         self.tensors, self.paths = tuple(walked.tensors), tuple(walked.paths)
-        # (device, the finished ObjectKey, the check of its tensors), set by objects.finish
-        self.done: tuple[Any, Any, Any] | None = None
+        # (device, the finished ObjectKey, the check of its tensors, their storage
+        # addresses), set by objects.finish
+        self.done: tuple[Any, Any, Any, frozenset[int]] | None = None
 
     def unchanged(self, d: dict[str, Any]) -> bool:
         """Whether the cache (its ``__dict__``, ``d``) is as this record read it."""

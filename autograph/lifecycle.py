@@ -260,7 +260,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)
-    build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse, aliases)
+    build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse, aliases,
+                           tuple((pos, walked) for pos, walked, _, _ in flat.objects))
     _try_build(build, leaves)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
     captured = Captured(graph, static, build, backend, device, recorder.seeded,

@@ -122,8 +122,10 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
         done = memo.done
         if (done is not None and done[0] == device and part.state is memo.state
                 and done[2](walked.tensors)):
+            walked.bases = done[3]
             return done[1]  # type: ignore[no-any-return]
     keys = []
+    bases: set[int] = set()
     host = device.type != "cpu"
     versions = False
     for k, t in enumerate(walked.tensors):
@@ -141,13 +143,17 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
         else:
             raise Uncapturable(EagerReason.SEVERAL_DEVICES, f"{walked.path(k)} is on {tdev}, "
                                f"the call on {device}")
-        keys.append(_new(ObjectTensor, (t.shape, t.stride(), t.dtype, tdev,
-                                        t.data_ptr() if t.numel() else 0, version)))
+        ptr = 0
+        if t.numel():
+            ptr = t.data_ptr()
+            bases.add(ptr - int(t.storage_offset()) * t.element_size())
+        keys.append(_new(ObjectTensor, (t.shape, t.stride(), t.dtype, tdev, ptr, version)))
     tensors = tuple(keys)
+    walked.bases = frozenset(bases)
     finished = _new(ObjectKey, (part.kind, part.state, tensors,
                                 hash((part.kind, part.state, tensors))))
     if memo is not None and not grad and not versions and part.state is memo.state:
-        memo.done = (device, finished, same_tensors(walked.tensors))
+        memo.done = (device, finished, same_tensors(walked.tensors), walked.bases)
     return finished
 
 

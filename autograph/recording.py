@@ -61,8 +61,8 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         entry.eager_s = min(entry.eager_s, warmed.seconds)
     if warmed.hidden:
         engine.watch.guard_hidden(warmed.hidden, device)
-    if warmed.written:
-        engine.cache.rekey(key, entry, flat, warmed.written)
+    if warmed.written or (entry.runs == 1 and flat.object_sharers()):
+        engine.cache.rekey(key, entry, flat, warmed.written)  # (with the sharers: in place)
     return warmed.out
 
 def _trains(engine: Engine, key: GraphKey, entry: Entry, flat: Flat) -> bool:

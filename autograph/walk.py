@@ -32,7 +32,7 @@ _UNOPENED = (set, frozenset, torch.nn.Module)
 class Walked:
     """One object argument as walked: the tensors it holds (with their paths)."""
 
-    __slots__ = ("obj", "tensors", "paths", "counters", "memo")
+    __slots__ = ("obj", "tensors", "paths", "counters", "memo", "bases")
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
@@ -45,6 +45,9 @@ class Walked:
         # a keyer's record of this object's last keying (``known_types.Memo``), which
         # ``objects.finish`` reuses when the tensors' metadata is unchanged
         self.memo: Any = None
+        # the storage addresses of ``tensors`` (set by ``objects.finish``): an argument
+        # sharing one is told apart in the key and captured in place
+        self.bases: frozenset[int] = frozenset()
 
     def path(self, k: int) -> str:
         """Where the ``k``-th tensor sits in the object, as text."""

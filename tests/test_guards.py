@@ -158,6 +158,48 @@ def test_modules_and_tensors_in_globals_and_closures_are_tracked():
     assert autograph.stats(f)["invalidations"] == 4
 
 
+NAMED = torch.ones(3)
+
+
+def check_named_tensors_given_other_memory_in_place_are_seen(device):
+    """A tensor the code names (a global, a closure cell, a plain object's attribute)
+    given other memory in place (``.data =``, ``set_``) is the same object at another
+    address: a graph would keep reading the old memory, so the graphs are dropped."""
+    global NAMED
+    NAMED = torch.ones(3, device=device)
+    scale = torch.full((3,), 2.0, device=device)
+
+    class Holder:
+        def __init__(self):
+            self.shift = torch.zeros(3, device=device)
+
+        @autograph.graphed
+        def step(self, x):
+            return (x + NAMED) * scale + self.shift
+
+    holder = Holder()
+
+    def check(calls=4):
+        with torch.no_grad():
+            for _ in range(calls):
+                x = torch.randn(3, device=device)
+                torch.testing.assert_close(holder.step(x), (x + NAMED) * scale + holder.shift)
+
+    check()
+    NAMED.data = torch.full((3,), 3.0, device=device)
+    check()
+    scale.set_(torch.full((3,), 5.0, device=device))
+    check()
+    holder.shift.data = torch.full((3,), 7.0, device=device)
+    check()
+    s = autograph.stats(holder.step)
+    assert s["invalidations"] == 3 and s["captures"] == 4 and s["replays"] >= 8, s
+
+
+def test_named_tensors_given_other_memory_in_place_are_seen(standin):
+    check_named_tensors_given_other_memory_in_place_are_seen("cpu")
+
+
 GLOBAL_MODEL = nn.Linear(2, 2)
 
 

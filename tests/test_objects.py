@@ -559,6 +559,74 @@ def test_an_argument_sharing_memory_with_a_new_cache_is_warmed_up():
     assert autograph.stats(g)["replays"] >= 2
 
 
+def check_argument_that_is_an_objects_tensor(view, device):
+    """Calls of one structure that alternate between a separate tensor and one of the
+    object's own tensors (or a view of it) as an argument: a call passing the object's
+    tensor is another key, captured with that argument in place, so it reads what the
+    call writes through the object first (a private copy would read it stale)."""
+    class Pair:
+        def __init__(self):
+            self.k = torch.zeros(4, device=device)
+            self.v = torch.zeros(6, device=device)
+
+    pick = {"whole": lambda c: c.k, "slice": lambda c: c.k[1:3],
+            "other tensor's storage": lambda c: c.v[:4]}[view]
+
+    def f(x, cache):
+        cache.k.add_(1)
+        return x * 2
+
+    g = autograph.graphed(f)
+    mine, eager = Pair(), Pair()
+    separate = torch.zeros(2 if view == "slice" else 4, device=device)
+    with torch.no_grad():
+        for i in range(12):
+            aliased = i % 3 != 0
+            got = g(pick(mine) if aliased else separate, mine)
+            want = f(pick(eager) if aliased else separate, eager)
+            assert torch.equal(got, want), (i, got, want)
+            assert torch.equal(mine.k, eager.k)
+    s = autograph.stats(g)
+    assert s["captures"] == 2 and s["replays"] >= 5, s
+
+
+@pytest.mark.parametrize("view", ["whole", "slice", "other tensor's storage"])
+def test_an_argument_that_is_an_objects_tensor_reads_the_objects_write(view):
+    check_argument_that_is_an_objects_tensor(view, "cpu")
+
+
+def check_output_that_is_an_objects_tensor(outputs, device):
+    """``return cache.keys`` (or a view of it) hands back the call's own object's
+    tensor, as eager does, not a copy: a write through the output reaches the cache."""
+    def f(x, cache):
+        cache.keys.add_(x)
+        return cache.keys, cache.keys[1:3], x * 2
+
+    g = autograph.graphed(f, outputs=outputs)
+    cache, eager = KV(), KV()
+    for c in (cache, eager):
+        c.keys, c.length = c.keys.to(device), c.length.to(device)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, device=device)
+            keys, part, y = g(x, cache)
+            _, epart, ey = f(x, eager)
+            assert keys is cache.keys
+            assert part.data_ptr() == cache.keys[1:3].data_ptr() and part.shape == (2, 4)
+            torch.testing.assert_close(y, ey)
+            part.mul_(0.5)  # through the output, into the cache
+            epart.mul_(0.5)
+            torch.testing.assert_close(cache.keys, eager.keys)
+            del keys, part, y  # (reuse: an output held at the next call protects it)
+    s = autograph.stats(g)
+    assert s["replays"] >= 2, s
+
+
+@pytest.mark.parametrize("outputs", ["clone", "reuse"])
+def test_an_output_that_is_an_objects_tensor_is_that_tensor(outputs):
+    check_output_that_is_an_objects_tensor(outputs, "cpu")
+
+
 def test_generate_with_verify_every_replays_and_stays_exact():
     """Decode steps take a cache object, which an eager rerun would advance twice: they
     are replayed but not verified (and a verified attention graph would be, see

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .flat import Flat
-from .keys import GraphKey
+from .keys import GraphKey, sharing
 from .mutation import storage_ptr
 from .options import Options
 from .stats import Stats
@@ -98,6 +98,9 @@ class GraphCache:
         self.entries: dict[GraphKey, Entry] = {}
         self.inplace: dict[GraphKey, tuple[int, ...]] = {}
         self.uses = 0
+        # storage addresses of the parameters, buffers and named tensors that a graph of
+        # this callable writes: an argument sharing one is keyed as such (``keys.Sharing``)
+        self.state_bases: frozenset[int] = frozenset()
         self.lock = threading.Lock()
         self.pinning = False  # whether padded buffers were ever pinned (see pinned)
         # keys whose graphs an invalidation dropped while what warming up learns still
@@ -136,8 +139,12 @@ class GraphCache:
 
     def in_place(self, key: GraphKey, flat: Flat) -> tuple[int, ...]:
         """The argument positions this call captures at their own address: those its
-        key writes in place and the padded buffers it passes (``pinned``)."""
+        key writes in place, those sharing memory the call may write otherwise
+        (``keys.Sharing``) and the padded buffers it passes (``pinned``)."""
         positions = self.inplace.get(key.base(), ())
+        shared = sharing(key)
+        if shared:
+            positions = tuple(sorted({*positions, *shared}))
         pins = getattr(_pins, "of", None) if self.pinning else None
         if pins is None or pins[0] is not self:
             return positions
@@ -255,6 +262,7 @@ class GraphCache:
             if not keep_known:
                 self.shapes.clear()
                 self.inplace.clear()
+                self.state_bases = frozenset()
 
     def graph_keys(self) -> list[tuple[GraphKey, tuple[int, ...]]]:
         """The keys that hold a graph, with their in-place positions (for plans)."""
@@ -265,13 +273,12 @@ class GraphCache:
 
 def _shares(flat: Flat) -> bool:
     """Whether a tensor argument shares storage with a tensor inside an object argument."""
-    return bool(flat.object_sharers())
+    return bool(flat.sharers(flat.object_storages()))
 
 
 def _sharing(flat: Flat, positions: set[int]) -> set[int]:
-    """``positions`` and every tensor argument that shares storage with one of them or
-    with a tensor inside an object argument."""
+    """``positions`` and every tensor argument that shares storage with one of them."""
     leaves = flat.leaves
     storages = {storage_ptr(leaves[i]) for i in positions if leaves[i].numel()}
-    return positions | set(flat.object_sharers()) | {
-        i for i in flat.tensor_pos if leaves[i].numel() and storage_ptr(leaves[i]) in storages}
+    return positions | {i for i in flat.tensor_pos
+                        if leaves[i].numel() and storage_ptr(leaves[i]) in storages}

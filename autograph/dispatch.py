@@ -23,7 +23,7 @@ from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
 from .flat import Flat
 from .guards import Watch, running_stack
-from .keys import GraphKey, key_call
+from .keys import GraphKey, key_call, with_sharing
 from .memo import KeyMemo
 from .modes import modes
 from .options import Options, same_options
@@ -210,8 +210,11 @@ class Engine:
                 raise Uncapturable(EagerReason.AUTOGRAD)
             if flat.inference():  # eager mode raises when autograd saves one
                 raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.INFERENCE_ARGUMENT)
-        if self.cache.inplace or self.cache.pinning:
-            key = self.cache.address(key, flat)
+        cache = self.cache
+        if cache.state_bases and flat.tensor_pos:  # an argument sharing written state
+            key = with_sharing(key, flat, cache.state_bases)
+        if cache.inplace or cache.pinning:
+            key = cache.address(key, flat)
         return key, flat, last[1], device  # type: ignore[return-value]
 
     def for_backward(self, key: GraphKey, flat: Flat) -> bool:

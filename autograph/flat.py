@@ -60,23 +60,17 @@ class Flat:
         leaves = self.leaves
         return any(leaves[i].is_inference() for i in self.tensor_pos)
 
-    def object_storages(self) -> set[int]:
+    def object_storages(self) -> frozenset[int]:
         """Storage addresses of the tensors inside object arguments (keyed by address:
         a graph may read them without a guard of its own)."""
-        return {base for _, walked, _, _ in self.objects for base in walked.bases}
-
-    def object_sharers(self) -> tuple[int, ...]:
-        """The tensor arguments that share storage with a tensor inside an object
-        argument (``cache.k`` passed beside ``cache``): a write through the object must
-        show in them, so they are keyed as such and captured in place."""
         objects = self.objects
-        if not objects or not self.tensor_pos:
-            return ()
-        inside = objects[0][1].bases if len(objects) == 1 else self.object_storages()
-        leaves = self.leaves
-        return tuple(i for i in self.tensor_pos if leaves[i].numel() and
-                     leaves[i].data_ptr() - leaves[i].storage_offset()
-                     * leaves[i].element_size() in inside)
+        if len(objects) == 1:
+            return objects[0][1].bases
+        return frozenset(base for _, walked, _, _ in objects for base in walked.bases)
+
+    def sharers(self, bases: frozenset[int]) -> tuple[int, ...]:
+        """The tensor arguments whose storage address is in ``bases``."""
+        return sharers(self.leaves, self.tensor_pos, bases)
 
     def object_changes(self) -> str | None:
         """What the call changed in its object arguments' structure, or None."""
@@ -104,6 +98,13 @@ class Flat:
         """:meth:`rebuild` for calls of this structure, without keeping these leaves."""
         shape = Flat([], self.nargs, self.kw_names, self.spec, self.tensor_pos, self.objects)
         return shape.rebuild
+
+
+def sharers(leaves: Any, positions: Any, bases: frozenset[int]) -> tuple[int, ...]:
+    """The positions of the tensors in ``leaves`` whose storage address is in ``bases``
+    (computed from the data pointer: no storage object is made)."""
+    return tuple(i for i in positions if leaves[i].numel() and leaves[i].data_ptr()
+                 - leaves[i].storage_offset() * leaves[i].element_size() in bases)
 
 
 # type -> whether pytree leaves it closed (tensors, values, and objects of types it does

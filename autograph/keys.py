@@ -173,20 +173,45 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     if memo is not None and type(structure) is int and len(tensor_pos) == structure:
         memo.learn(args, parts, device)  # plain positional tensors only
     flat = Flat(leaves, len(args), names, spec, tensor_pos)
+    key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
     if objs:
         flat.objects = tuple((i, walked, parts[i], device) for i, walked in objs)
-        shared = flat.object_sharers()
-        if shared:  # a graph must read these at the object's address: another key
-            aliases = (*aliases, ObjectSharing(shared))
-    key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
+        if tensor_pos:
+            key = with_sharing(key, flat, flat.object_storages())
     return key, flat, device
 
 
-class ObjectSharing(NamedTuple):
-    """In ``GraphKey.aliases``: the tensor arguments that share storage with a tensor
-    inside an object argument (``Flat.object_sharers``)."""
+class Sharing(NamedTuple):
+    """Last in ``GraphKey.aliases``: the tensor arguments that share storage with a
+    tensor the call may write without writing the argument itself (a tensor inside an
+    object argument, ``f(cache.k, cache)``; a parameter, buffer or named tensor that a
+    graph of the callable writes), with their addresses.  Eager mode reads such an
+    argument after the write; a private copy made before the replay would not, so they
+    are captured at their own address (``GraphCache.in_place``)."""
 
     positions: tuple[int, ...]
+    ptrs: tuple[int, ...]
+
+
+def with_sharing(key: GraphKey, flat: Flat, bases: frozenset[int]) -> GraphKey:
+    """``key`` with the tensor arguments sharing a storage in ``bases`` (storage
+    addresses) in its :class:`Sharing` (merged with one it has)."""
+    found = flat.sharers(bases)
+    if not found:
+        return key
+    aliases = key.aliases
+    if aliases and type(aliases[-1]) is Sharing:
+        found = tuple(sorted({*aliases[-1].positions, *found}))
+        aliases = aliases[:-1]
+    leaves = flat.leaves
+    mark = Sharing(found, tuple(leaves[i].data_ptr() for i in found))
+    return key._replace(aliases=(*aliases, mark))
+
+
+def sharing(key: GraphKey) -> tuple[int, ...]:
+    """The argument positions of ``key``'s :class:`Sharing`, if it has one."""
+    aliases = key.aliases
+    return aliases[-1].positions if aliases and type(aliases[-1]) is Sharing else ()
 
 
 class _Reopen(Exception):
@@ -247,7 +272,7 @@ def _aliases(leaves: Any, tensor_pos: tuple[int, ...]) -> tuple[Any, ...]:
     ``()`` when none do (the common case), else one entry per tensor leaf, None or
     ``(j, same_object)``.  Graphs see aliasing (``mha(x, x, x)`` takes another path)
     and static buffers keep it, so it is part of the key (with, last, the
-    :class:`ObjectSharing` of a call whose arguments share an object's memory)."""
+    :class:`Sharing` of a call whose arguments share memory the call may write)."""
     seen: dict[int, int] = {}
     out: list[Any] = []
     shared = False
@@ -298,6 +323,8 @@ def _plain_structure(structure: Any) -> tuple[int | None, tuple[str, ...]]:
 
 
 def _portable(part: Any) -> Any:
+    if type(part) is Sharing:  # the addresses are this rank's own
+        return ("sharing", part.positions)
     if isinstance(part, ObjectKey):  # its structure, without addresses
         return ("object", part.kind.__qualname__, _portable(portable_state(part.state)),
                 tuple((tuple(t.shape), str(t.dtype), t.device.type) for t in part.tensors))

@@ -21,6 +21,7 @@ from .capture import Backend
 from .flat import Flat
 from .keys import GraphKey
 from .known_types import keyer_for
+from .mutation import storage_ptr
 from .objects import ObjectKey
 from .vocab import Action, EagerReason, State, Uncapturable, logger
 
@@ -61,8 +62,8 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         entry.eager_s = min(entry.eager_s, warmed.seconds)
     if warmed.hidden:
         engine.watch.guard_hidden(warmed.hidden, device)
-    if warmed.written or (entry.runs == 1 and flat.object_sharers()):
-        engine.cache.rekey(key, entry, flat, warmed.written)  # (with the sharers: in place)
+    if warmed.written:
+        engine.cache.rekey(key, entry, flat, warmed.written)
     return warmed.out
 
 def _trains(engine: Engine, key: GraphKey, entry: Entry, flat: Flat) -> bool:
@@ -169,6 +170,10 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         engine.watch.guard_hidden(captured.hidden, captured.device)
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
     entry.graph = captured
+    if captured.state_written:  # an argument sharing this state is keyed as such
+        cache = engine.cache
+        cache.state_bases = cache.state_bases | {
+            storage_ptr(t) for t in captured.state_written if t.numel()}
     run = captured.runner()
     if frozen:  # a plain graph under grad mode: until a parameter requires grad again
         run = replay.unless_unfrozen(run, captured, engine.watch, UNFROZEN)

@@ -37,7 +37,8 @@ import autograph.stats as _counting
 
 from . import lifecycle, replay
 from . import switch as _switch
-from .keys import _aliases
+from .flat import sharers
+from .keys import _aliases, sharing
 from .modes import reader
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ def learn(engine: Engine, args: tuple[Any, ...], key: GraphKey, flat: Flat, entr
             or engine.options.buckets  # a bucketer calls ``dispatch``: never a shortcut
             or flat.spec is not None or flat.kw_names or flat.objects or key.written
             or type(key.structure) is not int or len(flat.tensor_pos) != key.structure
-            or engine.cache.inplace or engine.cache.pinning):
+            or engine.cache.inplace or engine.cache.pinning or sharing(key)):
         return
     known = engine.memo.find(args)
     if known is None or known.parts != key.leaves:
@@ -99,7 +100,8 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
                 or not ok() or read_modes() != expected_modes
                 or training() != expected_training or capturing()
                 or cache.inplace or cache.pinning
-                or (n > 1 and _aliases(args, tensor_pos) != aliases)):
+                or (n > 1 and _aliases(args, tensor_pos) != aliases)
+                or (cache.state_bases and sharers(args, tensor_pos, cache.state_bases))):
             return MISS
         try:
             result = run(args)

@@ -200,6 +200,63 @@ def test_named_tensors_given_other_memory_in_place_are_seen(standin):
     check_named_tensors_given_other_memory_in_place_are_seen("cpu")
 
 
+COUNT = torch.zeros(3)
+COUNT_EAGER = torch.zeros(3)
+
+
+def bump(x):
+    COUNT.add_(1)
+    return x * 2
+
+
+def bump_eager(x):
+    COUNT_EAGER.add_(1)
+    return x * 2
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.zeros(3))
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        self.n.add_(1)
+        return self.lin(x) + x
+
+
+def check_argument_sharing_written_state(where, device):
+    """A call that passes (a view of) a buffer or a named global that the call writes,
+    where earlier calls of the key passed a separate tensor: another key, captured with
+    that argument at its own address, so it reads the write as eager does (a private
+    copy made before the replay read it stale)."""
+    global COUNT, COUNT_EAGER
+    if where == "buffer":
+        mine, eager = Counter().to(device), Counter().to(device)
+        eager.load_state_dict(mine.state_dict())
+        g = autograph.graphed(mine)
+        state, eager_state, view = (lambda: mine.n), (lambda: eager.n), (lambda t: t)
+    else:
+        COUNT, COUNT_EAGER = torch.zeros(3, device=device), torch.zeros(3, device=device)
+        g, eager = autograph.graphed(bump), bump_eager
+        state, eager_state, view = (lambda: COUNT), (lambda: COUNT_EAGER), (lambda t: t[1:])
+    separate = torch.randn(3, device=device)
+    with torch.no_grad():
+        for i in range(12):
+            aliased = i % 3 != 0 and i > 4
+            got = g(view(state() if aliased else separate))
+            want = eager(view(eager_state() if aliased else separate))
+            assert torch.equal(got, want), (i, got, want)
+            assert torch.equal(state(), eager_state())
+    s = autograph.stats(g)
+    assert s["captures"] == 2 and s["replays"] >= 5, s
+
+
+@pytest.mark.parametrize("where", ["buffer", "global"])
+def test_an_argument_sharing_written_state_reads_the_write(standin, where):
+    check_argument_sharing_written_state(where, "cpu")
+
+
 GLOBAL_MODEL = nn.Linear(2, 2)
 
 

@@ -345,8 +345,11 @@ def test_another_thread_draws_random_numbers_while_graphs_are_captured():
     other threads but for the start of the capture: a thread drawing every 0.5 ms saw
     about one failed draw per capture before (71 over 60 captures on the H200), and
     3 or fewer over 30 captures with this.  Each key here also captures an output
-    variant at its first replay (rotation.py): 60 captures in all, so the bound is
-    doubled.  Their numbers still follow the seed."""
+    variant at its first replay (rotation.py): 60 captures in all, with 2, 6, 7 and 11
+    failed draws in four H200 runs (the start of each capture, about 50 µs, is still a
+    window: a count of chance hits, Poisson-like).  The bound, a third of the captures,
+    tells that apart from more than one failed draw per capture without the change, and
+    does not fail at random.  Their numbers still follow the seed."""
     model = mlp(64, 3).cuda().eval()
     g = autograph.graphed(model, warmup=1)
     stop, failed, drawn = threading.Event(), [0], [0]
@@ -374,7 +377,7 @@ def test_another_thread_draws_random_numbers_while_graphs_are_captured():
         thread.join()
     s = autograph.stats(g)
     assert s["captures"] == 30 and s["replays"] >= 30, s
-    assert drawn[0] > 30 and failed[0] <= 10, (drawn[0], failed[0])
+    assert drawn[0] > 30 and failed[0] <= 20, (drawn[0], failed[0])
     torch.cuda.manual_seed(3)
     a = torch.randn(8, device="cuda")
     torch.cuda.manual_seed(3)

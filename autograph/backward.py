@@ -275,8 +275,9 @@ class Trained(replay.Captured):
                 self.want_backward = self.backward_graph is None or self.spare_due is not None
                 if self.stats is not None:
                     self.stats.backward_eager += 1
-                return list(torch.autograd.grad(self.static_diff, self.targets, wanted,
-                                                retain_graph=True, allow_unused=True))
+                with gradgraph.hooks_held(self.targets):
+                    return list(torch.autograd.grad(self.static_diff, self.targets, wanted,
+                                                    retain_graph=True, allow_unused=True))
             self.backend.order_replay(self.device, self.pool)
             out = graph.run(wanted)
         if self.stats is not None:

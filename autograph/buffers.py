@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from .flat import size_leaf
 from .mutation import storage_ptr
 from .objects import object_key
-from .sharing import Shared, is_clone
+from .sharing import Shared, _extent, is_clone
 from .vocab import EagerReason, Uncapturable
 from .walk import Walked
 
@@ -115,10 +115,18 @@ def _static_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def _overlaps(t: torch.Tensor) -> bool:
-    check = getattr(torch._C, "_debug_has_internal_overlap", None)
+    """Whether some elements of ``t`` share memory (``expand``): a buffer of its strides
+    cannot be copied into (an ``unfold``, which torch cannot judge, can)."""
+    check = getattr(torch, "_debug_has_internal_overlap", None)
     if check is not None:
-        return int(check(t)) != 0
+        return int(check(t)) == 1  # MemOverlap::Yes
     return any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape))  # pragma: no cover
+
+
+def _clone_changes_layout(t: torch.Tensor) -> bool:
+    """Whether ``t.clone()`` has other strides than ``t`` (overlapping or gapped
+    elements: ``expand``, ``unfold``), at capture."""
+    return bool(t.numel()) and t.clone().stride() != t.stride()
 
 
 def output_builder(
@@ -177,7 +185,8 @@ def output_builder(
         for k in group.members:
             makers[k] = _filled_by_group
 
-    if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]):
+    if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]) \
+            and not _clone_changes_layout(flat[0]):
         out0 = flat[0]
         hand_out = out0.detach if reuse else out0.clone
 
@@ -335,14 +344,31 @@ def _leaf_maker(
     if ptr in persistent:
         return lambda _leaves: value
 
-    def clone(_leaves: list[Any]) -> torch.Tensor:
-        return value.clone()
-
+    clone: Callable[[list[Any]], torch.Tensor]
     if reuse:
         def clone(_leaves: list[Any]) -> torch.Tensor:  # an alias: no copy
             return value.detach()
+    elif _clone_changes_layout(value):
+        clone = _span_clone(value)
+    else:
+        def clone(_leaves: list[Any]) -> torch.Tensor:
+            return value.clone()
 
     clone._clone = True  # type: ignore[attr-defined]
+    return clone
+
+
+def _span_clone(value: torch.Tensor) -> Callable[[list[Any]], torch.Tensor]:
+    """The clone of an output whose clone would change its layout (``expand``,
+    ``unfold``): a copy of the storage span it covers, viewed with its sizes and strides,
+    as eager returns it (``clone`` makes it dense: another layout, and writable where
+    eager's raises)."""
+    size, stride = value.shape, value.stride()
+    span = value.as_strided((_extent(value),), (1,), value.storage_offset())  # pool memory
+
+    def clone(_leaves: list[Any]) -> torch.Tensor:
+        return span.clone().as_strided(size, stride, 0)
+
     return clone
 
 

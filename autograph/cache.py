@@ -99,7 +99,9 @@ class GraphCache:
         self.inplace: dict[GraphKey, tuple[int, ...]] = {}
         self.uses = 0
         # storage addresses of the parameters, buffers and named tensors that a graph of
-        # this callable writes: an argument sharing one is keyed as such (``keys.Sharing``)
+        # this callable writes, and of the tensors it reads from outside the arguments,
+        # parameters and named tensors (which it may write too): an argument sharing one
+        # is keyed as such (``keys.Sharing``)
         self.state_bases: frozenset[int] = frozenset()
         self.lock = threading.Lock()
         self.pinning = False  # whether padded buffers were ever pinned (see pinned)

@@ -25,7 +25,7 @@ from .flat import Flat
 from .guards import Watch, running_stack
 from .keys import GraphKey, key_call, with_sharing
 from .memo import KeyMemo
-from .modes import modes
+from .modes import modes, saved_hooks
 from .options import Options, same_options
 from .ranks import Ranks
 from .stats import Stats
@@ -210,6 +210,8 @@ class Engine:
                 raise Uncapturable(EagerReason.AUTOGRAD)
             if flat.inference():  # eager mode raises when autograd saves one
                 raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.INFERENCE_ARGUMENT)
+            if saved_hooks():
+                raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.SAVED_HOOKS)
         cache = self.cache
         if cache.state_bases and flat.tensor_pos:  # an argument sharing written state
             key = with_sharing(key, flat, cache.state_bases)

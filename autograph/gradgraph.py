@@ -21,6 +21,7 @@ captured into the forward's pool.  It gives autograd its gradients in one of two
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -32,6 +33,27 @@ from .vocab import logger
 
 use_count = getattr(torch._C, "_storage_Use_Count", None)
 _lt = int.__lt__
+
+
+@contextlib.contextmanager
+def hooks_held(tensors: list[torch.Tensor]) -> Iterator[None]:
+    """The gradient hooks of ``tensors`` (``Tensor.register_hook`` on a parameter) held
+    back: ``torch.autograd.grad`` runs an input's hooks on the gradient it returns, and
+    autograd runs them again when that gradient reaches the parameter through the
+    replayed Function (a hook ``g * 3`` applied twice; baked into a captured graph, it
+    would also outlive its removal).  Held back, they run once, eagerly, as in eager
+    mode."""
+    held = []
+    for t in tensors:
+        hooks = getattr(t, "_backward_hooks", None)
+        if hooks:
+            held.append((hooks, list(hooks.items())))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, items in held:
+            hooks.update(items)
 
 
 def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
@@ -90,7 +112,7 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
     lent = [bufs is not None]
 
     def backward() -> Any:
-        with torch.autocast(device.type, enabled=False):
+        with torch.autocast(device.type, enabled=False), hooks_held(targets):
             got = torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
                                       allow_unused=True)
         if bufs is None or any(g is not None and g.layout is not torch.strided

@@ -124,11 +124,21 @@ def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
     if torch.is_grad_enabled() and requires_grad(out):
         raise Uncapturable(EagerReason.AUTOGRAD, "an output requires grad (a tensor the "
                            "call reads requires grad)")
+    if out is not None and _has_history(out):  # grad turned on inside, under no_grad
+        raise Uncapturable(EagerReason.AUTOGRAD, "an output has autograd history (the call "
+                           "enables grad inside)")
 
 
 def requires_grad(out: Any) -> bool:
     """Whether a tensor among the outputs requires grad."""
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+
+
+def _has_history(out: Any) -> bool:
+    """Whether an output was recorded by autograd (has a ``grad_fn``): a plain graph's
+    clone of it would have none."""
+    return any(isinstance(t, torch.Tensor) and t.grad_fn is not None
+               for t in pytree.tree_leaves(out))
 
 
 def _check_objects(flat: Flat) -> None:

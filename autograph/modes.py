@@ -74,6 +74,17 @@ _cudnn_deterministic = _read("_get_cudnn_deterministic")
 _deterministic = _read("_get_deterministic_algorithms")
 
 
+_top_saved_hooks: Any = getattr(getattr(_C, "_autograd", None),
+                                "_top_saved_tensors_default_hooks", None)
+
+
+def saved_hooks() -> bool:
+    """Whether saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``,
+    ``save_on_cpu``) are active on this thread: a training graph saves its tensors its
+    own way, so the user's pack and unpack would not run."""
+    return _top_saved_hooks is not None and _top_saved_hooks(False) is not None
+
+
 def _cuda_modes() -> tuple[Any, ...]:
     autocast = _any_autocast() and _autocast("cuda") and _get_dtype("cuda")
     return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),

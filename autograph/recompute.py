@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import lifecycle
+from . import gradgraph, lifecycle
 from .vocab import EagerReason
 
 if TYPE_CHECKING:
@@ -62,8 +62,9 @@ def gradients(graph: Trained, leaves: list[Any], grads: tuple[Any, ...]
     if not pairs:
         return [None] * len(inputs)
     outs, wanted = zip(*pairs)  # outputs the loss does not use give no gradient
-    return list(torch.autograd.grad(outs, inputs, wanted, create_graph=True,
-                                    allow_unused=True))
+    with gradgraph.hooks_held(inputs):  # they run when autograd accumulates these
+        return list(torch.autograd.grad(outs, inputs, wanted, create_graph=True,
+                                        allow_unused=True))
 
 
 Rebuild = Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]

@@ -166,14 +166,14 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         entry.give_up(EagerReason.MEMORY, f"{nbytes} bytes")
         stats.count_eager(EagerReason.MEMORY, f"needs {nbytes} bytes, budget {budget}")
         return result
+    state = [*captured.state_written, *captured.hidden]  # written, or read from elsewhere
+    if state:  # an argument sharing their memory is keyed as such (keys.Sharing)
+        cache = engine.cache
+        cache.state_bases = cache.state_bases | {storage_ptr(t) for t in state if t.numel()}
     if captured.hidden:
         engine.watch.guard_hidden(captured.hidden, captured.device)
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
     entry.graph = captured
-    if captured.state_written:  # an argument sharing this state is keyed as such
-        cache = engine.cache
-        cache.state_bases = cache.state_bases | {
-            storage_ptr(t) for t in captured.state_written if t.numel()}
     run = captured.runner()
     if frozen:  # a plain graph under grad mode: until a parameter requires grad again
         run = replay.unless_unfrozen(run, captured, engine.watch, UNFROZEN)

@@ -39,7 +39,7 @@ from . import lifecycle, replay
 from . import switch as _switch
 from .flat import sharers
 from .keys import _aliases, sharing
-from .modes import reader
+from .modes import reader, saved_hooks
 
 if TYPE_CHECKING:
     from .cache import Entry
@@ -87,6 +87,7 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
     (the memo holding it is the engine's); the engine checks ``given_up`` before it."""
     n, tensor_pos, aliases = known.n, known.tensor_pos, key.aliases
     expected_modes, expected_training = key.modes, key.training
+    training_key = bool(key.modes[0])  # autograd records it: saved-tensor hooks matter
     read_modes, training = reader(known.device), engine.training
     watch, cache, counts = engine.watch, engine.cache, engine.stats
     ok, capturing = watch.ok, engine._device[2]
@@ -101,7 +102,8 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
                 or training() != expected_training or capturing()
                 or cache.inplace or cache.pinning
                 or (n > 1 and _aliases(args, tensor_pos) != aliases)
-                or (cache.state_bases and sharers(args, tensor_pos, cache.state_bases))):
+                or (cache.state_bases and sharers(args, tensor_pos, cache.state_bases))
+                or (training_key and saved_hooks())):
             return MISS
         try:
             result = run(args)

@@ -6,6 +6,7 @@ recorded (saved activations included), so a gradient computed from stale or
 overwritten saved state differs from eager's and fails these tests.
 """
 
+import contextlib
 import copy
 import gc
 import weakref
@@ -963,3 +964,95 @@ def check_activation_checkpointing(device="cpu"):
 
 def test_activation_checkpointing_reentrant_runs_eagerly_and_non_reentrant_replays():
     check_activation_checkpointing()
+
+
+def check_grad_enabled_inside_under_no_grad(device="cpu"):
+    """A graphed function that turns grad on inside (``torch.enable_grad()``), called
+    under ``no_grad``: its outputs have autograd history in eager mode, which a plain
+    graph's clone would not have, so the key runs eagerly (reason ``autograd``)."""
+    lin = nn.Linear(3, 3).to(device)
+
+    def f(x):
+        with torch.enable_grad():
+            return lin(x)
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        outs = [g(torch.randn(3, device=device)) for _ in range(5)]
+    for out in outs:
+        assert out.requires_grad and out.grad_fn is not None
+    outs[-1].sum().backward()
+    assert lin.weight.grad is not None
+    s = autograph.stats(g)
+    assert s["replays"] == 0 and s["eager_reasons"].get("autograd", 0) >= 3, s
+
+
+def test_grad_enabled_inside_a_no_grad_call_keeps_autograd_history():
+    check_grad_enabled_inside_under_no_grad()
+
+
+def check_parameter_hooks_run_once(device="cpu"):
+    """Gradient hooks on parameters (``param.register_hook``) run once per backward, as in
+    eager mode: not inside the captured backward graph and again when autograd
+    accumulates (a ``g * 3`` hook gave ``g * 9``), and a hook removed later no longer
+    runs (a graph would keep it baked in)."""
+    torch.manual_seed(1)
+    eager = nn.Linear(4, 3).to(device)
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    handles = []
+    for m in (eager, mine):
+        handles.append(m.weight.register_hook(lambda grad: grad * 3))
+        handles.append(m.bias.register_hook(lambda grad: grad + 1))
+    for i in range(8):
+        if i == 5:  # removed after the backward graph was captured
+            for h in handles:
+                h.remove()
+        x = torch.randn(5, 4, device=device)
+        eager.zero_grad()
+        mine.zero_grad()
+        eager(x).sum().backward()
+        g(x).sum().backward()
+        torch.testing.assert_close(mine.weight.grad, eager.weight.grad)
+        torch.testing.assert_close(mine.bias.grad, eager.bias.grad)
+    s = autograph.stats(g)
+    assert s["replays"] >= 5 and s["backward_replays"] >= 4, s
+
+
+def test_parameter_hooks_run_once_per_backward():
+    check_parameter_hooks_run_once()
+
+
+def check_saved_tensor_hooks_run_eagerly(device="cpu"):
+    """Saved-tensor hooks active around a training call (a pack to bfloat16, offloading)
+    change what backward computes: such calls run eagerly (reason
+    ``backward_unsupported``), before and after the key was captured."""
+    torch.manual_seed(1)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+
+    def pack(t):
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    def unpack(t):
+        return t.float() if t.dtype == torch.bfloat16 else t
+
+    for i in range(10):
+        hooked = i < 2 or i >= 7  # captured and replayed in between
+        x = torch.randn(5, 4, device=device)
+        eager.zero_grad()
+        mine.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack) if hooked \
+                else contextlib.nullcontext():
+            a, b = eager(x), g(x)
+        a.pow(2).sum().backward()
+        b.pow(2).sum().backward()
+        torch.testing.assert_close(mine[0].weight.grad, eager[0].weight.grad,
+                                   rtol=0, atol=0)
+    s = autograph.stats(g)
+    assert s["replays"] >= 2 and s["eager_reasons"].get("backward_unsupported", 0) >= 4, s
+
+
+def test_saved_tensor_hooks_make_training_calls_eager():
+    check_saved_tensor_hooks_run_eagerly()

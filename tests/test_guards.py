@@ -252,6 +252,40 @@ def check_argument_sharing_written_state(where, device):
     assert s["captures"] == 2 and s["replays"] >= 5, s
 
 
+def check_argument_sharing_a_hidden_tensor(device):
+    """The same for a tensor the forward reaches through a plain object (no module
+    state, no named global: a hidden read) and writes: passed as an argument, it reads
+    the write."""
+    class Holder:
+        def __init__(self):
+            self.t = torch.zeros(4, device=device)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.h = Holder()
+
+        def forward(self, x, r):
+            self.h.t.add_(x)
+            return r * 1
+
+    eager, mine = M(), M()
+    g = autograph.graphed(mine)
+    with torch.no_grad():
+        for i in range(10):
+            x = torch.ones(4, device=device)
+            r = torch.full((4,), -1.0, device=device)
+            want = eager(x, r if i < 4 else eager.h.t)
+            got = g(x, r if i < 4 else mine.h.t)
+            assert torch.equal(got, want), (i, got, want)
+    s = autograph.stats(g)
+    assert s["captures"] == 2 and s["replays"] >= 4, s
+
+
+def test_an_argument_sharing_a_hidden_tensor_reads_the_write(standin):
+    check_argument_sharing_a_hidden_tensor("cpu")
+
+
 @pytest.mark.parametrize("where", ["buffer", "global"])
 def test_an_argument_sharing_written_state_reads_the_write(standin, where):
     check_argument_sharing_written_state(where, "cpu")

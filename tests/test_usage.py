@@ -301,6 +301,32 @@ def _shared_dtypes(x):
     return y[1:], y.view(torch.uint8)[3:9], y.view(torch.int32)
 
 
+def check_overlapping_outputs_keep_their_layout(device="cpu"):
+    """An output whose elements overlap (``expand``, ``unfold``) comes back with eager's
+    sizes and strides (a dense clone would be another layout, writable where eager's
+    raises), in both output modes."""
+    def f(x):
+        y = x * 2
+        return y.expand(3, 4) if x.shape[0] == 1 else y.unfold(0, 2, 1)
+
+    for outputs in ("clone", "reuse"):
+        g = autograph.graphed(f, outputs=outputs)
+        for shape in ((1, 4), (6,)):
+            with torch.no_grad():
+                for _ in range(5):
+                    x = torch.randn(*shape, device=device)
+                    got, want = g(x), f(x)
+                    assert got.shape == want.shape and got.stride() == want.stride()
+                    torch.testing.assert_close(got, want)
+                    del got
+        s = autograph.stats(g)
+        assert s["replays"] >= 4, s
+
+
+def test_overlapping_outputs_keep_their_layout(standin):
+    check_overlapping_outputs_keep_their_layout()
+
+
 def check_outputs_viewing_bytes_as_another_dtype(device="cpu"):
     """Outputs that read an argument's or another output's bytes as another dtype
     (``x.view(torch.int32)``, ``torch.view_as_real``): eager's dtype, values and

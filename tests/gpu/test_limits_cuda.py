@@ -1,14 +1,21 @@
-"""Object arguments and named tensors on CUDA: an argument that is an object's tensor
-or shares state the call writes, an output that is an object's tensor, and a named
-tensor given other memory in place.  Each was a
-wrong or surprising result until 2026-12-02 (docs/usage.md named the first two as open
-limits); the bodies are the CPU tests' (tests/test_objects.py, tests/test_guards.py).
-Skipped without CUDA."""
+"""Cases that gave a wrong or surprising result until 2026-12-02, on CUDA: an argument
+that is an object's tensor or shares state the call writes (a buffer, a named global,
+a tensor of a plain object), an output that is an object's tensor, a named tensor given
+other memory in place, grad turned on inside a call under ``no_grad``, hooks on
+parameters, saved-tensor hooks, and outputs whose clone changes their layout.  The
+bodies are the CPU tests' (docs/usage.md named the first two as open limits; an
+exploring round on the CPU stand-in found the last five).  Skipped without CUDA."""
 
 import pytest
 import torch
 
+from ..test_backward import (
+    check_grad_enabled_inside_under_no_grad,
+    check_parameter_hooks_run_once,
+    check_saved_tensor_hooks_run_eagerly,
+)
 from ..test_guards import (
+    check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
     check_named_tensors_given_other_memory_in_place_are_seen,
 )
@@ -16,6 +23,7 @@ from ..test_objects import (
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
 )
+from ..test_usage import check_overlapping_outputs_keep_their_layout
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,3 +45,23 @@ def test_named_tensors_given_other_memory_in_place_are_seen():
 @pytest.mark.parametrize("where", ["buffer", "global"])
 def test_an_argument_sharing_written_state_reads_the_write(where):
     check_argument_sharing_written_state(where, "cuda")
+
+
+def test_an_argument_sharing_a_hidden_tensor_reads_the_write():
+    check_argument_sharing_a_hidden_tensor("cuda")
+
+
+def test_grad_enabled_inside_a_no_grad_call_keeps_autograd_history():
+    check_grad_enabled_inside_under_no_grad("cuda")
+
+
+def test_parameter_hooks_run_once_per_backward():
+    check_parameter_hooks_run_once("cuda")
+
+
+def test_saved_tensor_hooks_make_training_calls_eager():
+    check_saved_tensor_hooks_run_eagerly("cuda")
+
+
+def test_overlapping_outputs_keep_their_layout():
+    check_overlapping_outputs_keep_their_layout("cuda")

@@ -77,7 +77,8 @@ class Trained(replay.Captured):
     __slots__ = ("watch", "stats", "spec", "leaf", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
-                 "spare", "spare_due", "single", "recompute", "unsupported", "reached")
+                 "spare", "spare_due", "single", "recompute", "unsupported", "reached",
+                 "capture_failed")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -124,6 +125,9 @@ class Trained(replay.Captured):
         # whether a backward finding the first one's gradients held may ask for the
         # spare (want_backward: captured at the next call); until it is tried once
         self.spare_due: Callable[[], bool] | None = None
+        # a backward graph's capture failed: its pool may be left recording, so no other
+        # is captured into it (backwards run the autograd graph eagerly from then on)
+        self.capture_failed = False
         # the call's function and how to rebuild its arguments from leaves, for
         # gradients that are differentiated again (recompute.py); set by the capture
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
@@ -272,7 +276,8 @@ class Trained(replay.Captured):
             if graph is not None and graph.holders and graph.held():
                 graph = self.spare
             if graph is None:  # captured at the next call (outside the autograd engine)
-                self.want_backward = self.backward_graph is None or self.spare_due is not None
+                self.want_backward = not self.capture_failed and (
+                    self.backward_graph is None or self.spare_due is not None)
                 if self.stats is not None:
                     self.stats.backward_eager += 1
                 with gradgraph.hooks_held(self.targets):

@@ -191,6 +191,7 @@ def capture_next(trained: Any) -> None:
                 graph = capture(trained.backend, trained.device, trained.static_diff,
                                 trained.targets, handout=first)
         except lifecycle.CAPTURE_ERRORS as exc:
+            trained.capture_failed = True  # never again into this pool (see Trained)
             name = trained.stats.name if trained.stats is not None else "autograph"
             logger.warning("%s: the backward graph could not be captured (%s): "
                            "backwards run the captured forward's autograd graph "

@@ -1056,3 +1056,76 @@ def check_saved_tensor_hooks_run_eagerly(device="cpu"):
 
 def test_saved_tensor_hooks_make_training_calls_eager():
     check_saved_tensor_hooks_run_eagerly()
+
+
+def test_a_failed_backward_capture_is_not_tried_again(monkeypatch):
+    """A backward graph whose capture fails (on CUDA: the captured pool is then left
+    recording, and a second capture into it leaves the generator flagged for the whole
+    process) is not tried again: backwards run the captured forward's autograd graph
+    eagerly, with eager's gradients."""
+    from autograph import gradgraph
+
+    tries = []
+
+    def failing(*args, **kwargs):
+        tries.append(1)
+        raise RuntimeError("capture failed (a stream dependency, say)")
+
+    monkeypatch.setattr(gradgraph, "capture", failing)
+    eager = mlp()
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    for _ in range(8):
+        x = torch.randn(4, 8)
+        for m, f in ((eager, eager), (mine, g)):
+            m.zero_grad()
+            f(x).pow(2).sum().backward()
+        for a, b in zip(mine.parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    s = autograph.stats(g)
+    assert len(tries) == 1 and s["replays"] >= 4 and s["backward_eager"] >= 4, (tries, s)
+
+
+def check_eager_steps_before_graphed_training(device="cpu"):
+    """Eager training steps on the very model before it is graphed, each loss kept until
+    the next step's forward (``loss = ...`` rebinding): the parameters' autograd nodes
+    made on the caller's stream stay alive.  On CUDA the backward graph then cannot be
+    captured (the node's stream is not the capturing one); backwards run eagerly, the
+    gradients are eager's, and nothing is left broken for later captures or random
+    numbers."""
+    torch.manual_seed(0)
+    model = mlp().to(device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = autograph.graphed(model)
+    loss = ref_loss = None
+    for i in range(10):
+        x = torch.randn(4, 8, device=device)
+        forward = model if i < 3 else g  # three eager steps first
+        for f, o, m in ((forward, opt, model), (ref, ref_opt, ref)):
+            o.zero_grad()
+            out = f(x).pow(2).mean()
+            if m is model:
+                loss = out
+            else:
+                ref_loss = out
+            out.backward()
+            o.step()
+        torch.testing.assert_close(loss, ref_loss)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    s = autograph.stats(g)
+    assert s["replays"] >= 4, s
+    torch.randn(8, device=device)  # the generator is not left capturing
+    lin = nn.Linear(8, 8).to(device)
+    other = autograph.graphed(lin)
+    with torch.no_grad():
+        for _ in range(4):
+            y = torch.randn(2, 8, device=device)
+            torch.testing.assert_close(other(y), nn.functional.linear(y, lin.weight, lin.bias))
+    assert autograph.stats(other)["replays"] >= 1
+
+
+def test_eager_steps_before_graphed_training_keep_gradients_right():
+    check_eager_steps_before_graphed_training()

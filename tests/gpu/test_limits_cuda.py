@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ..test_backward import (
+    check_eager_steps_before_graphed_training,
     check_grad_enabled_inside_under_no_grad,
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
@@ -65,3 +66,7 @@ def test_saved_tensor_hooks_make_training_calls_eager():
 
 def test_overlapping_outputs_keep_their_layout():
     check_overlapping_outputs_keep_their_layout("cuda")
+
+
+def test_eager_steps_before_graphed_training_keep_gradients_right():
+    check_eager_steps_before_graphed_training("cuda")

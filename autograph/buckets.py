@@ -64,7 +64,10 @@ class Learned:
 
     def __init__(self, written: set[Key]) -> None:
         self.written = written  # canonical keys (see arguments) of arguments written
-        self.verified: set[int] = set()  # buckets whose padding was checked
+        # (real rows, bucket) pairs whose padding was checked: code may branch on the
+        # real batch size (``if x.shape[0] > 5``), so each real size is checked once
+        # (with ranks, (0, bucket): every rank checks a bucket at the same step)
+        self.verified: set[tuple[int, int]] = set()
         self.unsafe: str | None = None  # why padding is off in this context
 
 
@@ -143,8 +146,9 @@ class Bucketer:
                          target, size)
         # with ranks, every rank checks a new bucket at the same step (the check runs
         # the function, and its collectives, eagerly), even where it pads nothing
-        if size not in learned.verified and (size != real or self.ranks is not None):
-            if not self._padding_is_safe(args, kwargs, batch, size, learned):
+        checked = (0 if self.ranks is not None else real, size)
+        if checked not in learned.verified and (size != real or self.ranks is not None):
+            if not self._padding_is_safe(args, kwargs, batch, checked, learned):
                 return self.engine.dispatch(args, kwargs)
         eager_before = self.stats.eager
         # a call of the bucket's size too goes through the buffers: one graph per bucket
@@ -222,8 +226,9 @@ class Bucketer:
         tensors = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
         watched = watch_map(leaves, tensors)
         state = -1  # a position no argument has
-        for t in self.engine.module_tensors():
-            watched.setdefault(storage_ptr(t), []).append(state)
+        for t in (*self.engine.module_tensors(), *self.engine.watch.named()):
+            if t.numel():  # parameters, buffers and the tensors the code names
+                watched.setdefault(storage_ptr(t), []).append(state)
         recorder = WriteRecorder(watched)
         # through the engine, whose agreement the ranks join, or which counts a call whose
         # arguments do not fit (eager raises their TypeError) as no learning
@@ -309,12 +314,13 @@ class Bucketer:
 
     # -- the safety check ---------------------------------------------------------------
     def _padding_is_safe(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
-                         size: int, learned: Learned) -> bool:
-        """Run the call eagerly as it is and padded, on copies; compare what it computes."""
-        problem = padcheck.problem(self.engine.eager, args, kwargs, batch, size,
+                         checked: tuple[int, int], learned: Learned) -> bool:
+        """Run the call eagerly as it is and padded to ``checked``'s bucket, on copies;
+        compare what it computes."""
+        problem = padcheck.problem(self.engine.eager, args, kwargs, batch, checked[1],
                                    learned.written, self.args, self._fills(batch), self.writes)
         if problem is None:
-            learned.verified.add(size)
+            learned.verified.add(checked)
             return True
         if problem is padcheck.UNCHECKED:  # checked again at the bucket's next call
             return False

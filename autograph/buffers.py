@@ -95,7 +95,10 @@ class StaticInputs:
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values, NaN equal to NaN (a NaN input is not a write)."""
+    """Equal values, NaN equal to NaN (a NaN input is not a write); another shape is
+    not equal."""
+    if a.shape != b.shape:
+        return False
     if torch.equal(a, b):
         return True
     if a.is_floating_point() or a.is_complex():

@@ -245,6 +245,12 @@ class GraphCache:
         """Arguments at ``inplace`` are written by the call: key them by address, with
         every argument that shares storage with one of them (a read argument that
         overlaps a written one must see the write, so it cannot be a private copy)."""
+        leaves = flat.leaves
+        empty = [i for i in inplace if not leaves[i].numel()]
+        if empty:  # no address to key it by: a call resizing it (out=) writes elsewhere
+            entry.give_up(EagerReason.ASSIGNS, f"the call writes empty tensor argument "
+                          f"{empty[0]} (out=, resize_): it cannot be captured in place")
+            return
         inplace = _sharing(flat, inplace)
         base = key.base()
         with self.lock:

@@ -79,6 +79,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     """Run the call eagerly on the capture stream; with ``learn``, record what it
     writes and reads, and whether graphs would get it wrong (``Warmed.problem``)."""
     args, kwargs = flat.call()
+    shapes = _geometry(flat.leaves, flat.tensor_pos)
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.assigned = None
@@ -102,6 +103,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             reads.check(recorder.seeded)
         _check(watch, out, host, device)
         _check_objects(flat)
+        _check_geometry(flat.leaves, flat.tensor_pos, shapes)
         problem = None
     except Uncapturable as exc:
         # kept without its traceback: its frames (these locals hold the outputs, the
@@ -132,6 +134,23 @@ def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
 def requires_grad(out: Any) -> bool:
     """Whether a tensor among the outputs requires grad."""
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+
+
+def _geometry(leaves: Any, positions: tuple[int, ...]) -> list[tuple[Any, ...]]:
+    """Each tensor argument's sizes, strides and address, to tell a call that resizes
+    or re-points one (``out=`` an empty tensor, ``resize_``, ``set_``, ``.data =``)."""
+    return [(leaves[i].shape, leaves[i].stride(), leaves[i].data_ptr()) for i in positions]
+
+
+def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[Any, ...]]
+                    ) -> None:
+    """Raise if the call resized or re-pointed a tensor argument: a graph keeps the
+    geometry and the address it captured (a later call's tensor would not be written)."""
+    for i, was in zip(positions, before):
+        t = leaves[i]
+        if (t.shape, t.stride(), t.data_ptr()) != was:
+            raise Uncapturable(EagerReason.ASSIGNS, f"the call resizes or re-points tensor "
+                               f"argument {i} (out=, resize_, set_)")
 
 
 def _has_history(out: Any) -> bool:
@@ -223,7 +242,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         backend = OnPool(backend, backend.private_pool(device))
     leaves = list(flat.leaves)
     static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
-    args, kwargs = flat.rebuild(static.substitute(leaves))
+    substituted = static.substitute(leaves)
+    args, kwargs = flat.rebuild(substituted)
+    shapes = _geometry(substituted, flat.tensor_pos)
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))
     for n, t in enumerate(state):  # parameters, buffers, named tensors: negative positions
@@ -265,6 +286,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     reads.check(recorder.seeded)
     _check(watch, None, host, device)
     _check_objects(flat)
+    _check_geometry(substituted, flat.tensor_pos, shapes)
     watch.steps.add(stepped.optimizers)
     effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}

@@ -106,18 +106,34 @@ def arg_of(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int) -> Any
 
 
 def slice_back(out: Any, size: int, real: int, dim: int) -> Any:
-    """Every tensor in ``out`` whose ``dim`` has the bucket's ``size``, cut to ``real``."""
+    """Every tensor in ``out`` whose ``dim`` has the bucket's ``size``, cut to ``real``:
+    a view where that is dense (rows of a contiguous output), else a dense copy in the
+    same dimension order, the layout eager gives a batch of ``real`` (a view with the
+    bucket's strides would fail a ``.view()`` that eager's output takes)."""
     if type(out) is torch.Tensor:  # the common case, without a pytree walk
         if out.dim() > dim and out.shape[dim] == size:
-            return out[:real] if dim == 0 else out.narrow(dim, 0, real)  # [:n]: cheaper
+            return _dense(out[:real] if dim == 0 else out.narrow(dim, 0, real))  # [:n]: cheaper
         return out
 
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > dim and x.shape[dim] == size:
-            return x.narrow(dim, 0, real)
+            return _dense(x.narrow(dim, 0, real))
         return x
 
     return pytree.tree_map(cut, out, is_leaf=size_leaf)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where its elements leave gaps (rows cut from a batch that is not the
+    outermost dimension in memory), a dense copy in the same dimension order."""
+    if t.is_contiguous():
+        return t
+    expected = 1
+    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return t.clone()  # (clone keeps the order of a tensor that is not dense)
+        expected *= n
+    return t
 
 
 def copies(args: tuple[Any, ...], kwargs: dict[str, Any]

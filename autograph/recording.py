@@ -111,6 +111,11 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             # one succeeds (they write as eager does), then capture
             entry.runs, entry.direct, entry.warm_first = 0, False, True
             raise
+        shared = _sharing_state(captured, flat, inplace)
+        if shared:  # a copied argument is memory the graph writes as state: capture it
+            engine.cache.rekey(key, entry, flat, shared)  # in place (the next call); this
+            stats.count_eager(EagerReason.IN_PLACE, warn=False)  # graph read its copy
+            return engine.eager(*flat.call())  # (a capture ran no kernel: nothing written)
         if entry.contained:  # a whole step: its gradients may live in the graph's pool
             engine.watch.steps.add_grads(engine.watch.tensors())
         elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
@@ -142,6 +147,18 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         frozen = bool(key.modes[0]) and engine.trains and not trains
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start,
                      frozen)
+
+def _sharing_state(captured: replay.Captured, flat: Flat, inplace: tuple[int, ...]
+                   ) -> set[int]:
+    """The copied arguments that share memory with state the capture writes or reads
+    from elsewhere (a global the call writes, passed as the argument, under
+    ``warmup=0``: no warmup learned that the write reaches the argument)."""
+    state = [*captured.state_written, *captured.hidden]
+    if not state:
+        return set()
+    bases = frozenset(storage_ptr(t) for t in state if t.numel())
+    return {i for i in flat.sharers(bases) if i not in inplace}
+
 
 def _learned(cache: GraphCache, key: GraphKey) -> None:
     """A key with object arguments captured: a later key of the same structure at other

@@ -110,6 +110,74 @@ def test_module_state_updates_turn_padding_off():
     assert "module state" in autograph.stats(g)["padding"]
 
 
+def check_a_branch_on_the_batch_size_is_checked_per_size(device="cpu"):
+    """Code that branches on the real batch size (``if x.shape[0] > 5``): the padding
+    check runs once per real size of a bucket, not once per bucket (sizes 5, 4 and 3
+    got the padded size's branch, with padding still on)."""
+    def f(x):
+        return x * 2 if x.shape[0] > 5 else x * 3
+
+    g = autograph.graphed(f, buckets=[8])
+    with torch.no_grad():
+        for n in (6, 6, 6, 7, 5, 4, 3):
+            x = torch.randn(n, 2, device=device)
+            torch.testing.assert_close(g(x), f(x))
+    s = autograph.stats(g)
+    assert s["padding"].startswith("padding off: padding changes results"), s
+    assert s["buckets"][8]["hits"] >= 2, s
+
+
+def test_a_branch_on_the_batch_size_is_checked_per_size(standin):
+    check_a_branch_on_the_batch_size_is_checked_per_size()
+
+
+def check_padded_outputs_have_eager_layout(device="cpu"):
+    """Rows cut back from a padded output where the batch is not the outermost dimension
+    in memory (``batch_dims`` 1, a transposed input) come back dense in eager's order, so
+    ``.view()`` works as on eager's output (a view with the bucket's strides raised)."""
+    lin = nn.Linear(4, 3).to(device)
+    seq = autograph.graphed(lambda x: lin(x), buckets=[4, 8], batch_dims={"x": 1})
+    ew = autograph.graphed(lambda x: x * 2 + 1, buckets=[4, 8])
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(5, 3, 4, device=device)  # (sequence, batch 3, features)
+            got, want = seq(x), lin(x)
+            assert got.stride() == want.stride()
+            torch.testing.assert_close(got.view(-1, 3), want.view(-1, 3))
+            t = torch.randn(3, 3, device=device).T
+            got, want = ew(t), t * 2 + 1
+            assert got.stride() == want.stride()
+            torch.testing.assert_close(got.T.reshape(-1), want.T.view(-1))
+    for g in (seq, ew):
+        s = autograph.stats(g)
+        assert s["replays"] >= 2 and s["buckets"][4]["hits"] >= 4, s
+
+
+def test_padded_outputs_have_eager_layout(standin):
+    check_padded_outputs_have_eager_layout()
+
+
+BUMPS = torch.zeros(())
+
+
+def bump(x):
+    BUMPS.add_(1)
+    return x * 2
+
+
+def test_a_named_global_written_in_place_turns_padding_off(standin):
+    """A tensor the function names and writes (a global counter) is state as a buffer
+    is: the padding check's extra eager runs would write it again (18 for 6 calls)."""
+    g = autograph.graphed(bump, buckets=BUCKETS)
+    before = float(BUMPS)
+    with torch.no_grad():
+        for n in (3, 3, 5, 5, 3, 6):
+            x = torch.randn(n, 4)
+            torch.testing.assert_close(g(x), x * 2)
+    assert float(BUMPS) - before == 6
+    assert "module state" in autograph.stats(g)["padding"]
+
+
 def test_graph_memory_budget_evicts_and_refuses_graphs_too_large(standin):
     @autograph.graphed(warmup=0, max_graph_memory=3000)
     def f(x):

@@ -252,6 +252,27 @@ def check_argument_sharing_written_state(where, device):
     assert s["captures"] == 2 and s["replays"] >= 5, s
 
 
+def check_written_state_passed_from_the_first_call(device):
+    """Under ``warmup=0`` no warmup learns that the call's write to a buffer (or a global)
+    reaches the argument that is that buffer: the capture finds it, runs that call
+    eagerly (the capture wrote nothing) and captures it in place at the next call;
+    before, the first replay's copy-back of the stale argument undid the write."""
+    mine, eager = Counter().to(device), Counter().to(device)
+    eager.load_state_dict(mine.state_dict())
+    g = autograph.graphed(mine, warmup=0)
+    with torch.no_grad():
+        for i in range(6):
+            got, want = g(mine.n), eager(eager.n)
+            assert torch.equal(got, want), (i, got, want)
+            assert torch.equal(mine.n, eager.n), (i, mine.n, eager.n)
+    s = autograph.stats(g)
+    assert s["replays"] >= 3, s
+
+
+def test_written_state_passed_from_the_first_call_under_warmup_0(standin):
+    check_written_state_passed_from_the_first_call("cpu")
+
+
 def check_argument_sharing_a_hidden_tensor(device):
     """The same for a tensor the forward reaches through a plain object (no module
     state, no named global: a hidden read) and writes: passed as an argument, it reads

@@ -327,6 +327,36 @@ def test_overlapping_outputs_keep_their_layout(standin):
     check_overlapping_outputs_keep_their_layout()
 
 
+def check_arguments_resized_by_the_call(device="cpu"):
+    """An argument the call resizes or re-points (``out=`` an empty tensor, ``resize_``)
+    runs eagerly (``assigns_attribute``): a graph keeps its captured size and address, so
+    a later call's tensor would not be written (the capture raised on its own check)."""
+    def f(x, out):
+        return torch.mul(x, 2, out=out)
+
+    def g_resize(x, buf):
+        buf.resize_(x.shape)
+        buf.copy_(x)
+        return buf + 1
+
+    for fn in (f, g_resize):
+        for warmup in (0, 2):
+            g = autograph.graphed(fn, warmup=warmup)
+            with torch.no_grad():
+                for _ in range(5):
+                    x = torch.randn(3, 4, device=device)
+                    out, ref = torch.empty(0, device=device), torch.empty(0, device=device)
+                    got, want = g(x, out), fn(x, ref)
+                    torch.testing.assert_close(got, want)
+                    torch.testing.assert_close(out, ref)
+            s = autograph.stats(g)
+            assert s["eager_reasons"].get("assigns_attribute", 0) >= 3, s
+
+
+def test_arguments_resized_by_the_call_run_eagerly(standin):
+    check_arguments_resized_by_the_call()
+
+
 def check_outputs_viewing_bytes_as_another_dtype(device="cpu"):
     """Outputs that read an argument's or another output's bytes as another dtype
     (``x.view(torch.int32)``, ``torch.view_as_real``): eager's dtype, values and

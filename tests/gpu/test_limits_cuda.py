@@ -15,16 +15,24 @@ from ..test_backward import (
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
 )
+from ..test_buckets import (
+    check_a_branch_on_the_batch_size_is_checked_per_size,
+    check_padded_outputs_have_eager_layout,
+)
 from ..test_guards import (
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
     check_named_tensors_given_other_memory_in_place_are_seen,
+    check_written_state_passed_from_the_first_call,
 )
 from ..test_objects import (
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
 )
-from ..test_usage import check_overlapping_outputs_keep_their_layout
+from ..test_usage import (
+    check_arguments_resized_by_the_call,
+    check_overlapping_outputs_keep_their_layout,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -70,3 +78,19 @@ def test_overlapping_outputs_keep_their_layout():
 
 def test_eager_steps_before_graphed_training_keep_gradients_right():
     check_eager_steps_before_graphed_training("cuda")
+
+
+def test_written_state_passed_from_the_first_call_under_warmup_0():
+    check_written_state_passed_from_the_first_call("cuda")
+
+
+def test_arguments_resized_by_the_call_run_eagerly():
+    check_arguments_resized_by_the_call("cuda")
+
+
+def test_a_branch_on_the_batch_size_is_checked_per_size():
+    check_a_branch_on_the_batch_size_is_checked_per_size("cuda")
+
+
+def test_padded_outputs_have_eager_layout():
+    check_padded_outputs_have_eager_layout("cuda")

@@ -17,19 +17,11 @@ import copy
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
+from train_phases import make  # tools/train_phases.py (tools run as scripts)
 
-import autograph
 from autograph.cli.bench_train import optimizer_for, policy
 
 METHODS = ("autograph", "autograph reuse", "make_graphed_callables")
-
-
-def make(method, model, x):
-    if method == "autograph":
-        return autograph.graphed(model)
-    if method == "autograph reuse":
-        return autograph.graphed(model, outputs="reuse")
-    return torch.cuda.make_graphed_callables(model, (x.clone(),))
 
 
 def main():

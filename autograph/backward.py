@@ -78,7 +78,7 @@ class Trained(replay.Captured):
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached",
-                 "capture_failed")
+                 "capture_failed", "saved_outputs")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -128,6 +128,10 @@ class Trained(replay.Captured):
         # a backward graph's capture failed: its pool may be left recording, so no other
         # is captured into it (backwards run the autograd graph eagerly from then on)
         self.capture_failed = False
+        # the outputs (indexes among those in the pool) that the captured graph saved
+        # for its backward: each call saves its own copy of them, so that writing one in
+        # place before the backward raises as in eager mode (see ``find_saved_outputs``)
+        self.saved_outputs: list[int] = []
         # the call's function and how to rebuild its arguments from leaves, for
         # gradients that are differentiated again (recompute.py); set by the capture
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
@@ -183,6 +187,16 @@ class Trained(replay.Captured):
         where = single.untyped_storage()._cdata
         saved = self.spill_set + self.saved_state
         self.reuse = all(t.untyped_storage()._cdata != where for t in saved)
+
+    def find_saved_outputs(self) -> None:
+        """Note which outputs the captured graph saved for its backward (a sigmoid's
+        result): the graph's backward reads its own static output, so a caller writing
+        its copy in place would otherwise get gradients where eager raises."""
+        if self.spill_set is None:
+            return
+        saved = {t.untyped_storage()._cdata for t in self.spill_set}
+        self.saved_outputs = [k for k, t in zip(self.diff, self.static_diff)
+                              if t.untyped_storage()._cdata in saved]
 
     def _pending(self) -> bool:
         owner = self.owner
@@ -301,7 +315,11 @@ class _Replay(torch.autograd.Function):
         ctx.graph = graph
         ctx.call = call
         ctx.leaves = leaves  # for gradients differentiated again (recompute.py)
-        ctx.save_for_backward(token, *graph.saved_state)
+        if graph.saved_outputs:  # (outputs saved are version-checked by autograd)
+            ctx.save_for_backward(token, *graph.saved_state,
+                                  *[outs[k] for k in graph.saved_outputs])
+        else:
+            ctx.save_for_backward(token, *graph.saved_state)
         if graph.nondiff:
             ctx.mark_non_differentiable(*[outs[k] for k in graph.nondiff])
         return outs

@@ -170,6 +170,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise Uncapturable(UNSUPPORTED, problem)
     if trained.spill_set is not None:
         trained.spill_set = _with_ctx_tensors(trained.spill_set, trained.static_diff, own)
+    trained.find_saved_outputs()
     if reuse:
         trained.lend()
     return trained

@@ -1129,3 +1129,26 @@ def check_eager_steps_before_graphed_training(device="cpu"):
 
 def test_eager_steps_before_graphed_training_keep_gradients_right():
     check_eager_steps_before_graphed_training()
+
+
+def check_output_saved_for_backward_written_in_place_raises(device="cpu"):
+    """An output that the forward saved for its backward (a sigmoid's result), written
+    in place by the caller before the backward: eager's backward raises, and so does a
+    replayed call's (its graph reads its own saved copy: the gradients would be those of
+    the unwritten output)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3), nn.Sigmoid()).to(device)
+    g = autograph.graphed(model)
+    for _ in range(6):
+        y = g(torch.randn(4, 6, device=device))
+        y.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    ok = g(torch.randn(4, 6, device=device))  # and without the write, gradients flow
+    ok.sum().backward()
+    assert model[0].weight.grad is not None
+    assert autograph.stats(g)["replays"] >= 4
+
+
+def test_an_output_saved_for_backward_written_in_place_raises_as_eager():
+    check_output_saved_for_backward_written_in_place_raises()

@@ -12,6 +12,7 @@ import torch
 from ..test_backward import (
     check_eager_steps_before_graphed_training,
     check_grad_enabled_inside_under_no_grad,
+    check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
 )
@@ -94,3 +95,7 @@ def test_a_branch_on_the_batch_size_is_checked_per_size():
 
 def test_padded_outputs_have_eager_layout():
     check_padded_outputs_have_eager_layout("cuda")
+
+
+def test_an_output_saved_for_backward_written_in_place_raises_as_eager():
+    check_output_saved_for_backward_written_in_place_raises("cuda")

@@ -189,7 +189,7 @@ def output_builder(
             makers[k] = _filled_by_group
 
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]) \
-            and not _clone_changes_layout(flat[0]):
+            and not _faithful(flat[0]):
         out0 = flat[0]
         hand_out = out0.detach if reuse else out0.clone
 
@@ -336,12 +336,17 @@ def _leaf_maker(
         size, stride = value.shape, value.stride()
         whole = size == base.shape and stride == base.stride() and offset == 0
         itself = value is base  # ``return x``; else a tensor of its own (``x.detach()``)
+        # a conjugate or negative view (``x.conj()``, ``x.conj().imag``): the same bits
+        conj, neg = value.is_conj() != base.is_conj(), value.is_neg() != base.is_neg()
 
         def view(leaves: list[Any]) -> torch.Tensor:
             arg = leaves[i]
-            if whole:  # a resize of the result must not resize the argument
+            if whole and not (conj or neg):  # a resize of the result must not resize x
                 return arg if itself else arg.detach()  # type: ignore[no-any-return]
-            return arg.as_strided(size, stride, arg.storage_offset() + offset)
+            made = arg.as_strided(size, stride, arg.storage_offset() + offset)
+            if conj:
+                made = made.conj()
+            return made._neg_view() if neg else made
 
         return view
     if ptr in persistent:
@@ -351,8 +356,8 @@ def _leaf_maker(
     if reuse:
         def clone(_leaves: list[Any]) -> torch.Tensor:  # an alias: no copy
             return value.detach()
-    elif _clone_changes_layout(value):
-        clone = _span_clone(value)
+    elif _faithful(value):
+        clone = _faithful_clone(value)
     else:
         def clone(_leaves: list[Any]) -> torch.Tensor:
             return value.clone()
@@ -361,16 +366,29 @@ def _leaf_maker(
     return clone
 
 
-def _span_clone(value: torch.Tensor) -> Callable[[list[Any]], torch.Tensor]:
-    """The clone of an output whose clone would change its layout (``expand``,
-    ``unfold``): a copy of the storage span it covers, viewed with its sizes and strides,
-    as eager returns it (``clone`` makes it dense: another layout, and writable where
-    eager's raises)."""
-    size, stride = value.shape, value.stride()
-    span = value.as_strided((_extent(value),), (1,), value.storage_offset())  # pool memory
+def _faithful(value: torch.Tensor) -> bool:
+    """Whether ``value.clone()`` would not give eager's tensor: another layout (overlapping
+    or gapped elements: ``expand``, ``unfold``, ``.imag``) or the conjugate and negative
+    bits resolved (``(x * 2).conj()``)."""
+    return value.is_conj() or value.is_neg() or _clone_changes_layout(value)
+
+
+def _faithful_clone(value: torch.Tensor) -> Callable[[list[Any]], torch.Tensor]:
+    """The clone of an output that ``clone`` would change (:func:`_faithful`): a copy of
+    the memory under it (the storage span it covers, where its layout is not dense),
+    viewed with its sizes, strides and bits, as eager returns it (a dense, resolved
+    copy would be another layout, writable where eager's raises)."""
+    conj, neg = value.is_conj(), value.is_neg()
+    plain = value.conj() if conj else value
+    plain = plain._neg_view() if neg else plain  # pool memory, the bits undone
+    size, stride = plain.shape, plain.stride()
+    span = plain.as_strided((_extent(plain),), (1,), plain.storage_offset()) \
+        if _clone_changes_layout(plain) else None
 
     def clone(_leaves: list[Any]) -> torch.Tensor:
-        return span.clone().as_strided(size, stride, 0)
+        made = plain.clone() if span is None else span.clone().as_strided(size, stride, 0)
+        made = made.conj() if conj else made
+        return made._neg_view() if neg else made
 
     return clone
 
@@ -387,10 +405,12 @@ def _dtype_view(value: torch.Tensor, i: int, base: torch.Tensor
         raise Uncapturable(EagerReason.OUTPUT, "an output views an argument as another "
                            "dtype in a way that cannot be rebuilt") from None
     offset = value.storage_offset() - typed.storage_offset()  # in elements of dtype
+    neg = value.is_neg() != typed.is_neg()  # ``x.conj().imag``: a negative view
 
     def view(leaves: list[Any]) -> torch.Tensor:
         arg = leaves[i].view(dtype)
-        return arg.as_strided(size, stride, arg.storage_offset() + offset)
+        made = arg.as_strided(size, stride, arg.storage_offset() + offset)
+        return made._neg_view() if neg else made
 
     return view
 

@@ -270,6 +270,13 @@ class Watch:
         """The parameters and buffers of the watched trees."""
         return map(_getitem, self._holders, self._names)
 
+    def attribute_tensors(self) -> list[torch.Tensor]:
+        """Tensors held as plain attributes of the watched modules (``self.table =
+        torch.zeros(3)``: no parameter or buffer); assigning one is seen as any
+        attribute assignment is."""
+        return [v for ref in self._modules if (m := ref()) is not None
+                for v in vars(m).values() if isinstance(v, torch.Tensor)]
+
     def named(self) -> list[torch.Tensor]:
         """The tensors the code names (a global, a closure's, ``self.k`` of no module)."""
         return [v for _, v in self._refs if isinstance(v, torch.Tensor)]

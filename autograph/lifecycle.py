@@ -292,7 +292,11 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     written = {i for i in recorder.written if i >= 0}
     if written:  # an argument thought read-only is written: capture it in place
         raise WritesFound(written)
-    build = output_builder(out, leaves, static, inplace, watch.storage_ptrs(), reuse, aliases,
+    # tensors that outlive the graph, returned as they are: parameters, buffers, named
+    # tensors, a module's plain tensor attributes, and tensors read from elsewhere
+    persistent = watch.storage_ptrs() | {storage_ptr(t) for t in (
+        *watch.attribute_tensors(), *recorder.hidden.values()) if t.numel()}
+    build = output_builder(out, leaves, static, inplace, persistent, reuse, aliases,
                            tuple((pos, walked) for pos, walked, _, _ in flat.objects))
     _try_build(build, leaves)
     state_written = [state[-1 - i] for i in recorder.written if i < 0]

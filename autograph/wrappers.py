@@ -59,6 +59,7 @@ def wrap(obj: Any, options: Options) -> Any:
     if isinstance(obj, nn.Module):
         return GraphedModule(obj, options)
     if isinstance(obj, (staticmethod, classmethod)) or callable(obj):
+        obj = _call_method(obj)
         fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
         # a function defined in a class body takes self first (a method); a bound
         # method's signature has no self
@@ -68,6 +69,18 @@ def wrap(obj: Any, options: Options) -> Any:
         f"autograph.graphed expects a function, a method or an nn.Module instance, "
         f"got {type(obj).__qualname__}"
     )
+
+
+def _call_method(obj: Any) -> Any:
+    """An instance of a class that defines ``__call__`` in Python, as its bound
+    ``__call__``: the graphs then guard the instance's attributes that the method reads,
+    as for any bound method (the object itself, graphed, baked them in unguarded)."""
+    if inspect.isroutine(obj) or isinstance(obj, (staticmethod, classmethod, type)):
+        return obj
+    call = inspect.getattr_static(type(obj), "__call__", None)
+    if inspect.isfunction(call):
+        return obj.__call__
+    return obj
 
 
 def _takes_self(fn: Any, obj: Any) -> bool:

@@ -357,6 +357,100 @@ def test_arguments_resized_by_the_call_run_eagerly(standin):
     check_arguments_resized_by_the_call()
 
 
+def check_conjugate_and_negative_views(device="cpu"):
+    """Outputs that are conjugate or negative views (``x.conj()``, ``x.conj().imag``, of
+    an argument or of a tensor the call made) keep their values and bits: a view of the
+    argument rebuilt without the bit had the imaginary part's sign wrong."""
+    fns = [lambda x: x.conj(), lambda x: x.conj()[0], lambda x: x.conj().imag,
+           lambda x: (x * 2).conj(), lambda x: (x * 2).conj().imag]
+    for fn in fns:
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(3, dtype=torch.complex64, device=device)
+                got, want = g(x), fn(x)
+                assert (got.is_conj(), got.is_neg()) == (want.is_conj(), want.is_neg())
+                torch.testing.assert_close(got.resolve_conj().resolve_neg(),
+                                           want.resolve_conj().resolve_neg())
+        assert autograph.stats(g)["replays"] >= 2
+
+
+def test_conjugate_and_negative_views_keep_their_bits(standin):
+    check_conjugate_and_negative_views()
+
+
+def check_a_callable_object_reads_its_attributes(device="cpu"):
+    """An instance of a class with ``__call__``, graphed, is graphed as its bound
+    ``__call__``: the attributes it reads are guarded (a changed scale or a rebound
+    tensor replayed the captured values)."""
+    class Scale:
+        def __init__(self):
+            self.k = 2.0
+            self.w = torch.ones(3, device=device)
+
+        def __call__(self, x):
+            return x * self.k * self.w
+
+    c = Scale()
+    g = autograph.graphed(c)
+    with torch.no_grad():
+        for i in range(15):
+            if i == 5:
+                c.k = 5.0
+            if i == 10:
+                c.w = torch.full((3,), 10.0, device=device)
+            x = torch.randn(3, device=device)
+            torch.testing.assert_close(g(x), x * c.k * c.w)
+    assert autograph.stats(g)["replays"] >= 6
+
+
+def test_a_callable_object_reads_its_attributes(standin):
+    check_a_callable_object_reads_its_attributes()
+
+
+def check_returned_attribute_tensors_are_themselves(device="cpu"):
+    """A tensor returned from a module's plain attribute (no parameter or buffer), or
+    from a plain object the call reads and writes, is that tensor, as eager returns it
+    (it came back as a copy: writes through it were lost, a held one went stale)."""
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.table = torch.zeros(3)
+
+        def forward(self, x):
+            return self.lin(x), self.table
+
+    class Acc:
+        def __init__(self):
+            self.acc = torch.zeros(3, device=device)
+
+    m = M().to(device)
+    m.table = m.table.to(device)
+    g = autograph.graphed(m)
+    acc = Acc()
+
+    def bump(x):
+        acc.acc.add_(x.sum())
+        return acc.acc
+
+    gb = autograph.graphed(bump)
+    held = []
+    with torch.no_grad():
+        for _ in range(5):
+            _, table = g(torch.randn(2, 3, device=device))
+            assert table is m.table
+            table.add_(1)
+            held.append(gb(torch.ones(1, device=device)))
+    assert torch.equal(m.table, torch.full((3,), 5.0, device=device))
+    assert all(h is acc.acc for h in held) and float(acc.acc[0]) == 5.0
+    assert autograph.stats(g)["replays"] >= 2 and autograph.stats(gb)["replays"] >= 2
+
+
+def test_returned_attribute_tensors_are_themselves(standin):
+    check_returned_attribute_tensors_are_themselves()
+
+
 def check_outputs_viewing_bytes_as_another_dtype(device="cpu"):
     """Outputs that read an argument's or another output's bytes as another dtype
     (``x.view(torch.int32)``, ``torch.view_as_real``): eager's dtype, values and

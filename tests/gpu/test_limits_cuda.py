@@ -31,8 +31,11 @@ from ..test_objects import (
     check_output_that_is_an_objects_tensor,
 )
 from ..test_usage import (
+    check_a_callable_object_reads_its_attributes,
     check_arguments_resized_by_the_call,
+    check_conjugate_and_negative_views,
     check_overlapping_outputs_keep_their_layout,
+    check_returned_attribute_tensors_are_themselves,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -99,3 +102,15 @@ def test_padded_outputs_have_eager_layout():
 
 def test_an_output_saved_for_backward_written_in_place_raises_as_eager():
     check_output_saved_for_backward_written_in_place_raises("cuda")
+
+
+def test_conjugate_and_negative_views_keep_their_bits():
+    check_conjugate_and_negative_views("cuda")
+
+
+def test_a_callable_object_reads_its_attributes():
+    check_a_callable_object_reads_its_attributes("cuda")
+
+
+def test_returned_attribute_tensors_are_themselves():
+    check_returned_attribute_tensors_are_themselves("cuda")

@@ -1152,3 +1152,49 @@ def check_output_saved_for_backward_written_in_place_raises(device="cpu"):
 
 def test_an_output_saved_for_backward_written_in_place_raises_as_eager():
     check_output_saved_for_backward_written_in_place_raises()
+
+
+# Known differences from eager, found exploring on 2026-12-02 after the session's last GPU
+# run (a fix needs tests/gpu on CUDA): strict, so a fix that makes one pass fails the
+# suite until its mark is removed.
+@pytest.mark.xfail(strict=True, reason="known: autograd.grad of the captured graph asks for "
+                   "a parameter frozen after the forward (eager leaves its .grad None)")
+def test_a_parameter_frozen_between_forward_and_backward():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    for _ in range(2):
+        x = torch.randn(4, 6)
+        for m, f in ((eager, eager), (mine, g)):
+            f(x).sum().backward()
+            m.zero_grad()
+    x = torch.randn(4, 6)
+    a, b = eager(x), g(x)
+    eager[0].weight.requires_grad_(False)
+    mine[0].weight.requires_grad_(False)
+    a.sum().backward()
+    b.sum().backward()  # raises: "One of the differentiated Tensors does not require grad"
+    assert mine[0].weight.grad is None
+
+
+@pytest.mark.xfail(strict=True, reason="known: a buffer the forward reads, written in place "
+                   "before the backward, is not version-checked: the gradient uses its new "
+                   "value where eager raises")
+def test_a_buffer_written_between_forward_and_backward_raises_as_eager():
+    class BufMul(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+            self.register_buffer("s", torch.ones(3))
+
+        def forward(self, x):
+            return self.lin(x) * self.s
+
+    g = autograph.graphed(BufMul())
+    for i in range(6):
+        y = g(torch.randn(4, 6))
+        with torch.no_grad():
+            g.s.fill_(i + 2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()

@@ -31,6 +31,7 @@ aten = torch.ops.aten
 # operators that need the host to wait for the device: not allowed during capture
 HOST_SYNCS = {
     aten._local_scalar_dense.default,
+    aten.item.default,  # under inference mode ``.item()`` reaches a mode as this
     aten.nonzero.default,
     aten.equal.default,
     aten.is_nonzero.default,

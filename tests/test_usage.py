@@ -1465,3 +1465,50 @@ def check_graphed_calls_inside_torch_compile(device="cpu", backend="eager"):
 
 def test_graphed_calls_inside_torch_compile_trace_the_original():
     check_graphed_calls_inside_torch_compile()
+
+
+# Known differences from eager, found exploring on 2026-12-02 after the session's last GPU
+# run (a fix needs tests/gpu on CUDA): strict, so a fix that makes one pass fails the
+# suite until its mark is removed.
+@pytest.mark.xfail(strict=True, reason="known: the function receives containers rebuilt "
+                   "from the flattened arguments, so an item it adds to a dict argument "
+                   "does not reach the caller's dict (warmups included)")
+def test_an_item_added_to_a_dict_argument_reaches_the_callers_dict(standin):
+    def pool(features):
+        features["pooled"] = features["tokens"].mean(1)
+        return features
+
+    g = autograph.graphed(pool)
+    with torch.no_grad():
+        for _ in range(4):
+            features = {"tokens": torch.randn(2, 3, 4)}
+            out = g(features)
+            assert out is features and "pooled" in features
+
+
+class Gate(nn.Module):
+    fused = True  # a class attribute, flipped for every instance at once
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return torch.softmax(y, -1) if self.fused else y
+
+
+@pytest.mark.xfail(strict=True, reason="known: a class attribute the forward reads "
+                   "(Gate.fused = False) is not guarded: the graphs keep its old branch")
+def test_a_class_attribute_flag_is_seen(standin):
+    model = Gate().eval()
+    g = autograph.graphed(model)
+    try:
+        with torch.no_grad():
+            for i in range(8):
+                if i == 4:
+                    Gate.fused = False
+                x = torch.randn(2, 4)
+                torch.testing.assert_close(g(x), model.forward(x))
+    finally:
+        Gate.fused = True

@@ -78,7 +78,7 @@ class Trained(replay.Captured):
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached",
-                 "capture_failed", "saved_outputs")
+                 "capture_failed", "saved_outputs", "saved_args")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -132,6 +132,10 @@ class Trained(replay.Captured):
         # for its backward: each call saves its own copy of them, so that writing one in
         # place before the backward raises as in eager mode (see ``find_saved_outputs``)
         self.saved_outputs: list[int] = []
+        # the argument positions whose static buffers the captured graph saved: each
+        # call saves the caller's tensors there, so that writing one in place before
+        # the backward raises as in eager mode (the backward reads the static copy)
+        self.saved_args: list[int] = []
         # the call's function and how to rebuild its arguments from leaves, for
         # gradients that are differentiated again (recompute.py); set by the capture
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
@@ -294,14 +298,14 @@ class Trained(replay.Captured):
                     self.backward_graph is None or self.spare_due is not None)
                 if self.stats is not None:
                     self.stats.backward_eager += 1
-                with gradgraph.hooks_held(self.targets):
-                    return list(torch.autograd.grad(self.static_diff, self.targets, wanted,
-                                                    retain_graph=True, allow_unused=True))
+                return gradgraph.grad_of(self.static_diff, self.targets, wanted,
+                                         retain_graph=True)
             self.backend.order_replay(self.device, self.pool)
             out = graph.run(wanted)
         if self.stats is not None:
             self.stats.backward_replays += 1
         return out
+
 
 class _Replay(torch.autograd.Function):
     """One call of a training graph, as autograd sees it."""
@@ -315,8 +319,11 @@ class _Replay(torch.autograd.Function):
         ctx.graph = graph
         ctx.call = call
         ctx.leaves = leaves  # for gradients differentiated again (recompute.py)
-        if graph.saved_outputs:  # (outputs saved are version-checked by autograd)
+        # what the captured graph saved, version-checked by autograd as in eager mode:
+        # parameters and buffers, the caller's arguments, outputs
+        if graph.saved_outputs or graph.saved_args:
             ctx.save_for_backward(token, *graph.saved_state,
+                                  *[leaves[i] for i in graph.saved_args],
                                   *[outs[k] for k in graph.saved_outputs])
         else:
             ctx.save_for_backward(token, *graph.saved_state)

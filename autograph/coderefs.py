@@ -4,6 +4,8 @@ A graph replays the decisions its function took from module-level state: a globa
 flag, a scale in a closure, a module it calls by name.  :func:`code_refs` lists, for the
 modules, tensors and plain scalars that the function's code names (in its globals,
 including nested functions' names, and its closure cells), a getter and the value seen;
+:func:`owner_refs` and :func:`class_refs` do the same for the attributes of a graphed
+method's object and the class attributes a module's ``forward`` reads;
 :func:`same` tells whether a value read again is still the one seen (the same object,
 or an equal scalar of the same type).  ``guards.Watch`` compares them per call.
 """
@@ -69,6 +71,35 @@ def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any]
     out = [(_global_getter(d, n), d[n]) for n in sorted(names) if _trackable(d.get(n))]
     out.append((d.__len__, len(d)))
     return out
+
+
+def class_refs(objects: Iterable[Any]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the class attributes that the ``forward`` of each object's class
+    may read (the scalars its class, or a base, holds under a name its code or a method
+    of the class it names uses), unless every object shadows the name with its own.
+    A flag flipped on the class (``Gate.fused = False``) changes every instance at once
+    and sets no attribute of any, so it is read again on every call.  torch's own
+    classes are left out: their class attributes are no switches."""
+    by_class: dict[type, list[Any]] = {}
+    for obj in objects:
+        by_class.setdefault(type(obj), []).append(obj)
+    out: list[tuple[Callable[[], Any], Any]] = []
+    for cls, objs in by_class.items():
+        if cls.__module__.partition(".")[0] == "torch":
+            continue
+        code = getattr(inspect.getattr_static(cls, "forward", None), "__code__", None)
+        if not isinstance(code, types.CodeType):
+            continue
+        for name in sorted(_attribute_names(cls, code)):
+            value = inspect.getattr_static(cls, name, MISSING)
+            if isinstance(value, _SCALARS) and value is not None and \
+                    not all(name in getattr(o, "__dict__", ()) for o in objs):
+                out.append((_class_getter(cls, name), value))
+    return out
+
+
+def _class_getter(cls: type, name: str) -> Callable[[], Any]:
+    return lambda: getattr(cls, name, MISSING)
 
 
 def _attribute_names(cls: type, code: types.CodeType) -> set[str]:

@@ -56,6 +56,23 @@ def hooks_held(tensors: list[torch.Tensor]) -> Iterator[None]:
             hooks.update(items)
 
 
+def grad_of(outs: list[torch.Tensor], targets: list[torch.Tensor], wanted: list[Any],
+            retain_graph: bool | None = None, create_graph: bool = False
+            ) -> list[torch.Tensor | None]:
+    """``torch.autograd.grad`` of ``outs`` to ``targets``, run eagerly, with the targets'
+    hooks held back (they run when autograd accumulates these).  A target that no
+    longer requires grad (a parameter frozen between the call and its backward) gets
+    None, as eager's ``AccumulateGrad`` of a frozen leaf does nothing."""
+    live = [t for t in targets if t.requires_grad]
+    got: list[torch.Tensor | None] = [None] * len(targets)
+    if not live:
+        return got
+    with hooks_held(live):
+        found = iter(torch.autograd.grad(outs, live, wanted, retain_graph=retain_graph,
+                                         create_graph=create_graph, allow_unused=True))
+    return [next(found) if t.requires_grad else None for t in targets]
+
+
 def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
     """``dst[i].copy_(src[i])`` for all i, batched where torch can."""
     if _foreach_copy is not None and len(dst) > 1:

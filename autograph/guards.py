@@ -16,7 +16,9 @@ were taken while it was captured.  A :class:`Watch` guards one graphed callable:
   hooks; it marks the watch dirty.  An assignment made *by the forward itself* while
   autograph runs it is reported instead, so that key runs eagerly.
 * Modules, tensors and plain scalars named by the function's globals and closure cells
-  are re-read on every call and compared with what they were at capture.
+  are re-read on every call and compared with what they were at capture, and so are
+  the scalar class attributes a module's ``forward`` names (``Gate.fused = False``
+  flips every instance at once; ``coderefs.class_refs``).
 
 * Forward hooks registered later (``register_forward_hook``, ``..._pre_hook``, the
   global ones) are reported by a wrapper of those methods: the callable's calls run
@@ -46,7 +48,14 @@ import torch
 from torch import nn
 
 from . import notify
-from .coderefs import changed_attribute, code_refs, config_dicts, owner_refs, same
+from .coderefs import (
+    changed_attribute,
+    class_refs,
+    code_refs,
+    config_dicts,
+    owner_refs,
+    same,
+)
 from .steps import StepGuard
 
 _Module = nn.Module
@@ -110,6 +119,9 @@ class Watch:
         for root in roots:
             for m in root.modules():
                 modules.setdefault(id(m), m)
+        # class attributes the forwards read, before the owner's (the last ``_owned``)
+        n = len(refs) - self._owned
+        refs[n:n] = class_refs(modules.values())
         holders, names = [], []
         for m in modules.values():
             for d in (m._parameters, m._buffers):

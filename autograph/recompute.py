@@ -62,9 +62,7 @@ def gradients(graph: Trained, leaves: list[Any], grads: tuple[Any, ...]
     if not pairs:
         return [None] * len(inputs)
     outs, wanted = zip(*pairs)  # outputs the loss does not use give no gradient
-    with gradgraph.hooks_held(inputs):  # they run when autograd accumulates these
-        return list(torch.autograd.grad(outs, inputs, wanted, create_graph=True,
-                                        allow_unused=True))
+    return gradgraph.grad_of(list(outs), inputs, list(wanted), create_graph=True)
 
 
 Rebuild = Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]

@@ -120,19 +120,23 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise Uncapturable(UNSUPPORTED, why)
     leaves = flat.leaves
     wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
-    state = {storage_ptr(t): t for t in watch.tensors() if t.requires_grad and t.numel()}
-    own = {_storage_key(t) for t in watch.tensors() if t.numel()}  # not overwritten
+    # the parameters, buffers and named tensors the forward may save for its backward
+    state = {storage_ptr(t): t for t in watch.tensors() if t.numel()}
+    own = set(state)  # not overwritten by a replay
     saved: dict[int, torch.Tensor] = {}
+    saved_args: dict[int, None] = {}  # positions of arguments saved (their static buffers)
+    statics: dict[int, list[int]] = {}  # a static buffer's storage: its positions
     spill: dict[tuple[Any, ...], torch.Tensor] | None = {}  # what a replay overwrites
     seen: dict[str, Any] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal spill
         where = _storage_key(t)
-        if state:
-            s = state.get(where)
-            if s is not None:
-                saved.setdefault(id(s), s)
+        s = state.get(where)
+        if s is not None:
+            saved.setdefault(id(s), s)
+        for i in statics.get(where, ()):
+            saved_args.setdefault(i)
         d = t.detach()  # no version check at unpack: replays rewrite saved tensors
         if where not in own and spill is not None:
             if where == 0 or type(d) is not torch.Tensor or d.layout is not torch.strided:
@@ -147,6 +151,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         for i in wants:
             static[i].requires_grad_(True)
         seen["targets"] = [static[i] for i in wants]
+        for i in flat.tensor_pos:
+            if static[i] is not leaves[i]:  # a static buffer, not the caller's tensor
+                statics.setdefault(_storage_key(static[i]), []).append(i)
         seen["start"] = _sequence_now()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = seen["out"] = fn(*args, **kwargs)
@@ -164,6 +171,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check_outputs(out, base, leaves, watch)
     trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
                       None if spill is None else list(spill.values()))
+    trained.saved_args = list(saved_args)
     trained.recompute = (fn, flat.rebuilder())
     problem = _foreign(trained.static_diff, trained.targets, seen["start"])
     if problem:

@@ -1498,17 +1498,23 @@ class Gate(nn.Module):
         return torch.softmax(y, -1) if self.fused else y
 
 
-@pytest.mark.xfail(strict=True, reason="known: a class attribute the forward reads "
-                   "(Gate.fused = False) is not guarded: the graphs keep its old branch")
-def test_a_class_attribute_flag_is_seen(standin):
-    model = Gate().eval()
+def check_a_class_attribute_flag_is_seen(device: str = "cpu") -> None:
+    """A flag flipped on the class (every instance at once) drops the graphs that took
+    its old branch; flipped back, graphs replay again."""
+    model = Gate().to(device).eval()
     g = autograph.graphed(model)
     try:
         with torch.no_grad():
-            for i in range(8):
-                if i == 4:
-                    Gate.fused = False
-                x = torch.randn(2, 4)
+            for i in range(18):
+                if i in (6, 12):
+                    Gate.fused = i == 12
+                x = torch.randn(2, 4, device=device)
                 torch.testing.assert_close(g(x), model.forward(x))
     finally:
         Gate.fused = True
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["invalidations"] >= 2, s
+
+
+def test_a_class_attribute_flag_is_seen(standin):
+    check_a_class_attribute_flag_is_seen()

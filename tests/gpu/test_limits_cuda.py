@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from ..test_backward import (
+    check_a_parameter_frozen_between_forward_and_backward,
     check_eager_steps_before_graphed_training,
     check_grad_enabled_inside_under_no_grad,
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
+    check_state_and_arguments_written_before_backward_raise,
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
@@ -32,6 +34,7 @@ from ..test_objects import (
 )
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
+    check_a_class_attribute_flag_is_seen,
     check_arguments_resized_by_the_call,
     check_conjugate_and_negative_views,
     check_overlapping_outputs_keep_their_layout,
@@ -114,3 +117,15 @@ def test_a_callable_object_reads_its_attributes():
 
 def test_returned_attribute_tensors_are_themselves():
     check_returned_attribute_tensors_are_themselves("cuda")
+
+
+def test_a_parameter_frozen_between_forward_and_backward():
+    check_a_parameter_frozen_between_forward_and_backward("cuda")
+
+
+def test_state_and_arguments_written_before_backward_raise():
+    check_state_and_arguments_written_before_backward_raise("cuda")
+
+
+def test_a_class_attribute_flag_is_seen():
+    check_a_class_attribute_flag_is_seen("cuda")

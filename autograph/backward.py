@@ -86,6 +86,7 @@ class Trained(replay.Captured):
         super().__init__(base.graph, base.static, base.build, cast(Backend, backend),
                          base.device, base.seeded, base.hidden, base.state_written,
                          base.inplace, reuse)
+        self.syncs = base.syncs
         self.watch = watch
         self.stats = stats
         flat_out, self.spec = pytree.tree_flatten(out, is_leaf=size_leaf)

@@ -54,6 +54,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
+        "syncs",
     )
 
     def __init__(self) -> None:
@@ -81,6 +82,8 @@ class Entry:
         # its key has the structure of a key captured (``GraphCache.shapes``): captured
         # after the warmup that learns what the call does to this object
         self.shaped = False
+        # container arguments each replay changes as the call did (containers.Sync)
+        self.syncs: tuple[Any, ...] = ()
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import lifecycle, recording, replay, shortcut, verify, vocab
+from . import containers, lifecycle, recording, replay, shortcut, verify, vocab
 from . import stats as _stats
 from . import switch as _switch
 from .arguments import Misfit, no_misfit
@@ -298,7 +298,9 @@ class Engine:
             # advance the object's own state, a cache's, a second time)
             if entry.runs % self.verify_every == 0 and not (entry.graph.seeded
                                                              or flat.objects):
-                return verify.verified(self, entry, run, flat)
+                result = verify.verified(self, entry, run, flat)
+                return containers.apply(entry.syncs, flat, result) if entry.syncs \
+                    else result
         try:
             if _profiling():
                 with record_function(self.labels["replay"]):
@@ -309,6 +311,8 @@ class Engine:
             return self.replay_failed(entry, exc, flat)
         if result is _HELD:
             return self.protect(flat, entry.graph.held_reason)
+        if entry.syncs:  # container arguments the call changes (containers.py)
+            result = containers.apply(entry.syncs, flat, result)
         self.stats.replays += 1
         if _stats._observers:
             self.stats.notify("replay")

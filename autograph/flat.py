@@ -36,7 +36,7 @@ class Flat:
     """The flattened arguments of one call: ``leaves`` in order, and how to put a
     (possibly substituted) leaf list back into ``(args, kwargs)``."""
 
-    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos", "objects")
+    __slots__ = ("leaves", "nargs", "kw_names", "spec", "tensor_pos", "objects", "original")
 
     def __init__(self, leaves: list[Any] | tuple[Any, ...], nargs: int,
                  kw_names: tuple[str, ...], spec: Any, tensor_pos: tuple[int, ...],
@@ -49,6 +49,10 @@ class Flat:
         self.tensor_pos = tensor_pos
         # object arguments (``objects.py``): (position, its walk, its key, the device)
         self.objects = objects
+        # the caller's own (args, kwargs) where containers were opened (``spec``): eager
+        # runs get them, so that an item the function adds to a dict argument reaches
+        # the caller's dict, as in eager mode
+        self.original: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     def requires_grad(self) -> bool:
         """Whether a tensor argument requires grad."""
@@ -92,6 +96,9 @@ class Flat:
         return pytree.tree_unflatten(leaves, self.spec)  # type: ignore[no-any-return]
 
     def call(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's arguments: the caller's own where containers were opened."""
+        if self.original is not None:
+            return self.original
         return self.rebuild(list(self.leaves))
 
     def rebuilder(self) -> Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]:

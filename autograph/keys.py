@@ -173,6 +173,8 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
     if memo is not None and type(structure) is int and len(tensor_pos) == structure:
         memo.learn(args, parts, device)  # plain positional tensors only
     flat = Flat(leaves, len(args), names, spec, tensor_pos)
+    if spec is not None:
+        flat.original = (args, kwargs)
     key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
     if objs:
         flat.objects = tuple((i, walked, parts[i], device) for i, walked in objs)

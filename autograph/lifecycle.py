@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import counters
+from . import containers, counters
 from .buffers import StaticInputs, output_builder
 from .capture import Backend, OnPool
 from .flat import Flat
@@ -80,6 +80,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     writes and reads, and whether graphs would get it wrong (``Warmed.problem``)."""
     args, kwargs = flat.call()
     shapes = _geometry(flat.leaves, flat.tensor_pos)
+    snap = containers.snapshot(flat, args, kwargs) if learn else []
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.assigned = None
@@ -104,6 +105,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         _check(watch, out, host, device)
         _check_objects(flat)
         _check_geometry(flat.leaves, flat.tensor_pos, shapes)
+        if snap:
+            containers.changes(snap, out)  # raises for a change no replay can repeat
         problem = None
     except Uncapturable as exc:
         # kept without its traceback: its frames (these locals hold the outputs, the
@@ -245,6 +248,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     substituted = static.substitute(leaves)
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
+    snap = containers.snapshot(flat, args, kwargs)
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))
     for n, t in enumerate(state):  # parameters, buffers, named tensors: negative positions
@@ -287,6 +291,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check(watch, None, host, device)
     _check_objects(flat)
     _check_geometry(substituted, flat.tensor_pos, shapes)
+    syncs = containers.changes(snap, out) if snap else ()
     watch.steps.add(stepped.optimizers)
     effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}
@@ -304,6 +309,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                         list(recorder.hidden.values()), state_written, inplace, reuse)
     captured.footprint = needs
     captured.effects = effects
+    captured.syncs = syncs
     return captured
 
 

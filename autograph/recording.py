@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import gate, lifecycle, replay, rotation, training
+from . import containers, gate, lifecycle, replay, rotation, training
 from .cache import Entry, GraphCache
 from .capture import Backend
 from .flat import Flat
@@ -121,7 +121,9 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
             rotation.rotate(captured, engine.fn, flat, engine.watch, entry.draws is False)
         try:
-            result = captured.runner()(flat.leaves)
+            result = replay.in_inference_mode(captured.runner(), captured)(flat.leaves)
+            if captured.syncs:
+                result = containers.apply(captured.syncs, flat, result)
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             entry.graph = captured
             return engine.replay_failed(entry, exc, flat, counted=False)
@@ -191,7 +193,8 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         engine.watch.guard_hidden(captured.hidden, captured.device)
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
     entry.graph = captured
-    run = captured.runner()
+    entry.syncs = captured.syncs
+    run = replay.in_inference_mode(captured.runner(), captured)
     if frozen:  # a plain graph under grad mode: until a parameter requires grad again
         run = replay.unless_unfrozen(run, captured, engine.watch, UNFROZEN)
     if engine.options.min_speedup is not None:

@@ -55,7 +55,7 @@ class Captured:
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
                  "state_written", "inplace", "reuse", "_holders", "footprint", "effects",
-                 "held_reason", "rotation")
+                 "held_reason", "rotation", "syncs")
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,
@@ -79,6 +79,8 @@ class Captured:
         # why the runner returned HELD, when not outputs="reuse" (see ``unless_unfrozen``)
         self.held_reason: Any = None
         self.rotation: Any = None  # rotation.Rotation: outputs without a host copy
+        # container arguments the call changes and returns (containers.Sync)
+        self.syncs: tuple[Any, ...] = ()
 
     def holders(self) -> tuple[Holder, ...]:
         """A :class:`Holder` per pool storage that an output lives in.  Taken on the
@@ -257,3 +259,20 @@ def unless_unfrozen(run: Callable[[Any], Any], captured: Captured, watch: Any,
         return run(leaves)
 
     return run_frozen
+
+
+def in_inference_mode(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], Any]:
+    """``run`` under ``torch.inference_mode()`` where the captured function entered it
+    itself (a forward decorated with ``@torch.inference_mode()``, called outside it):
+    its outputs were inference tensors, as eager's are, so the copies handed out are
+    made in inference mode too.  Otherwise ``run`` itself."""
+    pooled = getattr(captured.build, "pool_outputs", ())
+    if torch.is_inference_mode_enabled() or not any(
+            isinstance(t, torch.Tensor) and t.is_inference() for t in pooled):
+        return run
+
+    def run_inference(leaves: Any) -> Any:
+        with torch.inference_mode():
+            return run(leaves)
+
+    return run_inference

@@ -116,9 +116,9 @@ class Routes:
             for p, buf in zip(positions, padslots.fill(slot, tensors)):
                 padded[p] = buf
             rows = route.rows if engine.verify_every is None else None
-            out = engine.replay_entry(entry, rows or run, Flat(padded, flat.nargs,
-                                                               flat.kw_names, None,
-                                                               flat.tensor_pos))
+            filled = Flat(padded, flat.nargs, flat.kw_names, None, flat.tensor_pos)
+            filled.original = flat.original  # the caller's containers (containers.py)
+            out = engine.replay_entry(entry, rows or run, filled)
             if route.written:
                 padslots.hand_back(slot, tensors, route.written)
         finally:

@@ -790,3 +790,31 @@ def test_an_encoder_with_padding_masks_replays():
             torch.testing.assert_close(got, want)
     s = autograph.stats(g)
     assert s["replays"] >= 4 and s["eager_reasons"].keys() <= {"warmup"}, s
+
+
+def check_a_graphed_sentence_transformer_fills_the_callers_features(device: str = "cpu"
+                                                                    ) -> None:
+    """sentence-transformers' modules add their outputs to the features mapping (a
+    ``BatchEncoding``) they are given and return it: graphed, the caller's mapping gets
+    them too, on replays as in eager mode, with eager's values."""
+    from .gpu.models import sentence_transformer, sentences
+
+    st = sentence_transformer(device)
+    batch = sentences(3, seed=1)
+    want = st.encode(batch, convert_to_tensor=True)
+    g = autograph.graphed(st)
+    with torch.no_grad():
+        for _ in range(5):
+            features = st.tokenize(batch).to(device)
+            out = g(features)
+            assert out is features and "token_embeddings" in features
+            torch.testing.assert_close(features["sentence_embedding"], want)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_a_graphed_sentence_transformer_fills_the_callers_features(standin, monkeypatch):
+    pytest.importorskip("sentence_transformers")
+    import transformers.masking_utils as masking
+
+    monkeypatch.setattr(masking, "is_tracing", lambda tensor=None: True)  # as above
+    check_a_graphed_sentence_transformer_fills_the_callers_features()

@@ -1470,9 +1470,6 @@ def test_graphed_calls_inside_torch_compile_trace_the_original():
 # Known differences from eager, found exploring on 2026-12-02 after the session's last GPU
 # run (a fix needs tests/gpu on CUDA): strict, so a fix that makes one pass fails the
 # suite until its mark is removed.
-@pytest.mark.xfail(strict=True, reason="known: the function receives containers rebuilt "
-                   "from the flattened arguments, so an item it adds to a dict argument "
-                   "does not reach the caller's dict (warmups included)")
 def test_an_item_added_to_a_dict_argument_reaches_the_callers_dict(standin):
     def pool(features):
         features["pooled"] = features["tokens"].mean(1)
@@ -1518,3 +1515,76 @@ def check_a_class_attribute_flag_is_seen(device: str = "cpu") -> None:
 
 def test_a_class_attribute_flag_is_seen(standin):
     check_a_class_attribute_flag_is_seen()
+
+
+class InferenceForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    @torch.inference_mode()
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+def check_an_inference_mode_forward_returns_inference_tensors(device: str = "cpu") -> None:
+    """A forward decorated with ``@torch.inference_mode()``, called outside it (grad
+    mode on or off): replays return inference tensors, as eager does (an in-place
+    update outside inference mode raises), with eager's values."""
+    model = InferenceForward().to(device)
+    for mode in (torch.enable_grad, torch.no_grad):
+        g = autograph.graphed(model)
+        with mode():
+            for _ in range(12):
+                x = torch.randn(2, 4, device=device)
+                y = g(x)
+                assert y.is_inference() and not y.requires_grad
+                torch.testing.assert_close(y, model(x))
+        assert autograph.stats(g)["replays"] >= 8, autograph.stats(g)
+
+
+def test_an_inference_mode_forward_returns_inference_tensors(standin):
+    check_an_inference_mode_forward_returns_inference_tensors()
+
+
+def check_container_arguments_changed_by_the_call(device: str = "cpu") -> None:
+    """A function that adds an item to a dict argument (and returns it, as
+    sentence-transformers' modules do) or appends to a list argument: the caller's
+    container shows the change on every call, replayed or not, and is what comes back;
+    one that changes a container it does not return runs eagerly, changing it too."""
+    def pool(features):
+        features["pooled"] = features["tokens"].mean(1)
+        return features
+
+    def extend(xs, scale=1.0):
+        xs.append(xs[0] * scale)
+        return xs[0] + 1, xs
+
+    def hidden_update(features):
+        features["pooled"] = features["tokens"].mean(1)
+        return features["pooled"] * 2
+
+    g, h, k = (autograph.graphed(f) for f in (pool, extend, hidden_update))
+    with torch.no_grad():
+        for _ in range(6):
+            tokens = torch.randn(2, 3, 4, device=device)
+            features = {"tokens": tokens}
+            out = g(features)
+            assert out is features and list(features) == ["tokens", "pooled"]
+            assert features["tokens"] is tokens
+            torch.testing.assert_close(features["pooled"], tokens.mean(1))
+            xs = [torch.randn(3, device=device)]
+            y, back = h(xs, scale=2.0)
+            assert back is xs and len(xs) == 2
+            torch.testing.assert_close(xs[1], xs[0] * 2)
+            torch.testing.assert_close(y, xs[0] + 1)
+            features = {"tokens": tokens}
+            torch.testing.assert_close(k(features), tokens.mean(1) * 2)
+            torch.testing.assert_close(features["pooled"], tokens.mean(1))
+    assert autograph.stats(g)["replays"] >= 3 and autograph.stats(h)["replays"] >= 3
+    s = autograph.stats(k)
+    assert s["replays"] == 0 and s["eager_reasons"].get("assigns_attribute"), s
+
+
+def test_container_arguments_changed_by_the_call(standin):
+    check_container_arguments_changed_by_the_call()

@@ -29,14 +29,17 @@ from ..test_guards import (
     check_written_state_passed_from_the_first_call,
 )
 from ..test_objects import (
+    check_a_graphed_sentence_transformer_fills_the_callers_features,
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
 )
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
     check_a_class_attribute_flag_is_seen,
+    check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_conjugate_and_negative_views,
+    check_container_arguments_changed_by_the_call,
     check_overlapping_outputs_keep_their_layout,
     check_returned_attribute_tensors_are_themselves,
 )
@@ -129,3 +132,16 @@ def test_state_and_arguments_written_before_backward_raise():
 
 def test_a_class_attribute_flag_is_seen():
     check_a_class_attribute_flag_is_seen("cuda")
+
+
+def test_an_inference_mode_forward_returns_inference_tensors():
+    check_an_inference_mode_forward_returns_inference_tensors("cuda")
+
+
+def test_container_arguments_changed_by_the_call():
+    check_container_arguments_changed_by_the_call("cuda")
+
+
+def test_a_graphed_sentence_transformer_fills_the_callers_features():
+    pytest.importorskip("sentence_transformers")
+    check_a_graphed_sentence_transformer_fills_the_callers_features("cuda")

@@ -78,7 +78,8 @@ class Trained(replay.Captured):
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached",
-                 "capture_failed", "saved_outputs", "saved_args")
+                 "capture_failed", "saved_outputs", "saved_args", "bump_before",
+                 "bump_after")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -87,6 +88,10 @@ class Trained(replay.Captured):
                          base.device, base.seeded, base.hidden, base.state_written,
                          base.inplace, reuse)
         self.syncs = base.syncs
+        # the state a call writes, its version counters advanced inside the Function,
+        # around the save for backward as the call's writes were (see ``split_bumps``)
+        self.bump_before: list[torch.Tensor] = list(base.bumps.state)
+        self.bump_after: list[torch.Tensor] = []
         self.watch = watch
         self.stats = stats
         flat_out, self.spec = pytree.tree_flatten(out, is_leaf=size_leaf)
@@ -169,6 +174,8 @@ class Trained(replay.Captured):
                     self.held_reason = None  # the engine counts it as outputs_protected
                     return _HELD
                 outs = _apply(self, leaves, flat_box, *inputs)
+            if self.bump_after:  # after autograd saved what the Function saves
+                replay.bump_versions(self.bump_after)
             if self.single is not None:
                 return outs[0]
             flat = flat_box[0]
@@ -192,6 +199,22 @@ class Trained(replay.Captured):
         where = single.untyped_storage()._cdata
         saved = self.spill_set + self.saved_state
         self.reuse = all(t.untyped_storage()._cdata != where for t in saved)
+
+    def split_bumps(self, offsets: dict[int, int]) -> None:
+        """Split each written state tensor's version advances into those before the
+        call saves it (``offsets``: the writes the forward made before saving it) and
+        those after: autograd then finds a saved counter that the call wrote after
+        saving it changed, as in eager mode, and one written before saving unchanged."""
+        before: list[torch.Tensor] = []
+        after: list[torch.Tensor] = []
+        count: dict[int, tuple[torch.Tensor, int]] = {}
+        for t in self.bump_before:
+            count[id(t)] = (t, count.get(id(t), (t, 0))[1] + 1)
+        for key, (t, n) in count.items():
+            first = min(offsets.get(key, n), n)
+            before += [t] * first
+            after += [t] * (n - first)
+        self.bump_before, self.bump_after = before, after
 
     def find_saved_outputs(self) -> None:
         """Note which outputs the captured graph saved for its backward (a sigmoid's
@@ -316,6 +339,8 @@ class _Replay(torch.autograd.Function):
                 *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         token = _TOKEN.detach()  # alive while this call's backward may still run
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
+        if graph.bump_before:  # the state the replay wrote, as the call's writes count
+            replay.bump_versions(graph.bump_before)
         ctx.set_materialize_grads(False)  # unused outputs: None, not zeros
         ctx.graph = graph
         ctx.call = call

@@ -33,7 +33,7 @@ from .flat import Flat
 from .footprint import Footprint
 from .guards import Watch, running
 from .mutation import WriteRecorder, storage_ptr, watch_map
-from .replay import Captured, use_count
+from .replay import Bumps, Captured, use_count
 from .steps import Stepped
 from .vocab import EagerReason, Uncapturable
 
@@ -269,6 +269,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         with stepped, footprint, reads, recorder:
             return fn(*args, **kwargs)
 
+    counted = [leaves[i] for i in inplace] + state  # what replays bump (replay.Bumps)
+    versions = _versions(counted)
+
     with call_scope(watch), hosts.constants(recorder):
         try:
             hosts.stand_in()
@@ -310,7 +313,35 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     captured.footprint = needs
     captured.effects = effects
     captured.syncs = syncs
+    captured.bumps = _bumps(counted, versions, len(inplace), inplace)
     return captured
+
+
+def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter (None: an inference tensor, which has none)."""
+    out: list[int | None] = []
+    for t in tensors:
+        try:
+            out.append(t._version)
+        except RuntimeError:
+            out.append(None)
+    return out
+
+
+def _bumps(tensors: list[torch.Tensor], before: list[int | None], n_args: int,
+           inplace: tuple[int, ...]) -> Bumps:
+    """What the capture advanced the version counters of: the first ``n_args`` tensors
+    are the arguments at ``inplace``, the rest state."""
+    positions: list[int] = []
+    state: list[torch.Tensor] = []
+    for k, (t, then, now) in enumerate(zip(tensors, before, _versions(tensors))):
+        if then is None or now is None or now <= then:
+            continue
+        if k < n_args:
+            positions += [inplace[k]] * (now - then)
+        else:
+            state += [t] * (now - then)
+    return Bumps(tuple(positions), tuple(state))
 
 
 def _try_build(build: Callable[[list[Any]], Any], leaves: list[Any]) -> None:

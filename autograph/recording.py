@@ -194,7 +194,7 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
     entry.graph = captured
     entry.syncs = captured.syncs
-    run = replay.in_inference_mode(captured.runner(), captured)
+    run = replay.versioned(replay.in_inference_mode(captured.runner(), captured), captured)
     if frozen:  # a plain graph under grad mode: until a parameter requires grad again
         run = replay.unless_unfrozen(run, captured, engine.watch, UNFROZEN)
     if engine.options.min_speedup is not None:

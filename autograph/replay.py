@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,12 +50,22 @@ class Holder:
         return storage.data_ptr() != self.ptr or storage.nbytes() != self.nbytes
 
 
+class Bumps(NamedTuple):
+    """What a call advances the version counter of, once per in-place write that
+    autograd would count in eager mode (as its capture counted them): the arguments at
+    ``positions`` (the caller's tensors, captured in place) and the ``state`` tensors
+    (parameters, buffers, named tensors).  A tensor written twice is listed twice."""
+
+    positions: tuple[int, ...]
+    state: tuple[torch.Tensor, ...]
+
+
 class Captured:
     """A captured graph with everything its replay needs."""
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
                  "state_written", "inplace", "reuse", "_holders", "footprint", "effects",
-                 "held_reason", "rotation", "syncs")
+                 "held_reason", "rotation", "syncs", "bumps")
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,
@@ -81,6 +91,8 @@ class Captured:
         self.rotation: Any = None  # rotation.Rotation: outputs without a host copy
         # container arguments the call changes and returns (containers.Sync)
         self.syncs: tuple[Any, ...] = ()
+        # the version counters a call advances, as its capture did (:func:`versioned`)
+        self.bumps = Bumps((), ())
 
     def holders(self) -> tuple[Holder, ...]:
         """A :class:`Holder` per pool storage that an output lives in.  Taken on the
@@ -185,7 +197,7 @@ class Captured:
         of a clone made every call), or None where the graph has no such runner (several
         outputs, an output viewing an argument, ``reuse``, host counters)."""
         single = getattr(self.build, "single_output", None)
-        if single is None or self.reuse or self.effects is not None:
+        if single is None or self.reuse or self.effects is not None or self.bumps:
             return None
         rows = single.narrow(dim, 0, real) if single.dim() > dim and \
             single.shape[dim] == size else single
@@ -276,3 +288,33 @@ def in_inference_mode(run: Callable[[Any], Any], captured: Captured) -> Callable
             return run(leaves)
 
     return run_inference
+
+
+_increment_version: Any = getattr(torch._C, "_increment_version", None)
+
+
+def bump_versions(tensors: list[torch.Tensor]) -> None:
+    """Advance the version counters of ``tensors`` (one per entry)."""
+    if _increment_version is not None:
+        _increment_version(tensors)
+
+
+def versioned(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], Any]:
+    """``run``, then the version counters of what the call wrote advanced as eager's
+    in-place operators advance them (a replay writes memory behind autograd's back):
+    a tensor that autograd saved before the call, then written by it, makes that
+    backward raise as in eager mode.  ``run`` itself where the call writes nothing
+    counted (most calls)."""
+    positions, state = captured.bumps
+    if not (positions or state) or _increment_version is None:
+        return run
+    bump = _increment_version
+    fixed = list(state)
+
+    def run_versioned(leaves: Any) -> Any:
+        out = run(leaves)
+        if out is not HELD:
+            bump([leaves[i] for i in positions] + fixed if positions else fixed)
+        return out
+
+    return run_versioned

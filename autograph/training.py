@@ -121,9 +121,13 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     leaves = flat.leaves
     wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
     # the parameters, buffers and named tensors the forward may save for its backward
-    state = {storage_ptr(t): t for t in watch.tensors() if t.numel()}
+    state = {storage_ptr(t): t for t in (*watch.tensors(), *watch.named()) if t.numel()}
     own = set(state)  # not overwritten by a replay
     saved: dict[int, torch.Tensor] = {}
+    # per state tensor saved: the fewest in-place writes the call made to it before
+    # saving it (a counter saved before the call adds to it: eager's check raises then)
+    offsets: dict[int, int] = {}
+    start: dict[int, int] = {}
     saved_args: dict[int, None] = {}  # positions of arguments saved (their static buffers)
     statics: dict[int, list[int]] = {}  # a static buffer's storage: its positions
     spill: dict[tuple[Any, ...], torch.Tensor] | None = {}  # what a replay overwrites
@@ -135,6 +139,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         s = state.get(where)
         if s is not None:
             saved.setdefault(id(s), s)
+            if id(s) in start:
+                offset = s._version - start[id(s)]
+                offsets[id(s)] = min(offsets.get(id(s), offset), offset)
         for i in statics.get(where, ()):
             saved_args.setdefault(i)
         d = t.detach()  # no version check at unpack: replays rewrite saved tensors
@@ -155,6 +162,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
             if static[i] is not leaves[i]:  # a static buffer, not the caller's tensor
                 statics.setdefault(_storage_key(static[i]), []).append(i)
         seen["start"] = _sequence_now()
+        start.update((id(s), s._version) for s in state.values() if not s.is_inference())
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = seen["out"] = fn(*args, **kwargs)
         return out
@@ -172,6 +180,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
                       None if spill is None else list(spill.values()))
     trained.saved_args = list(saved_args)
+    trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
     problem = _foreign(trained.static_diff, trained.targets, seen["start"])
     if problem:

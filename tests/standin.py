@@ -113,6 +113,18 @@ class RecordedGraph:
         self.replays += 1
         if self.delay:
             time.sleep(self.delay)
+        # a graph's replay writes memory behind autograd's back: no version counter moves
+        written = {id(t): t for _, args, kwargs, recorded in self.ops
+                   for t in pytree.tree_leaves((args, kwargs, recorded))
+                   if isinstance(t, torch.Tensor) and not t.is_inference()}
+        tensors = tuple(written.values())
+        versions = tuple(t._version for t in tensors)
+        try:
+            self._run()
+        finally:
+            _set_versions(tensors, versions)
+
+    def _run(self) -> None:
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, recorded in self.ops:
                 fresh = func(*args, **kwargs)
@@ -122,6 +134,9 @@ class RecordedGraph:
                 for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
                     if isinstance(old, torch.Tensor) and _storage(old) != _storage(new):
                         old.copy_(new)
+
+
+_set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
 def _storage(t: torch.Tensor) -> int:

@@ -1232,3 +1232,78 @@ def check_state_and_arguments_written_before_backward_raise(device: str = "cpu")
 
 def test_state_and_arguments_written_before_backward_raise():
     check_state_and_arguments_written_before_backward_raise()
+
+
+class Counted(nn.Module):
+    """A forward that adds to a buffer in place, before or after reading it."""
+
+    def __init__(self, write_first: bool):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.register_buffer("count", torch.ones(3))
+        self.write_first = write_first
+
+    def forward(self, x):
+        if self.write_first:
+            self.count.add_(1)
+            return self.lin(x) * self.count
+        y = self.lin(x) * self.count
+        self.count.add_(1)
+        return y
+
+
+def check_version_counters_advance_as_in_eager(device: str = "cpu") -> None:
+    """A replay writes memory behind autograd's back; the version counters of what it
+    wrote advance as eager's in-place operators advance them, so that a tensor saved
+    for a backward before a call that writes it makes that backward raise, as in eager
+    mode: an argument written in place, a buffer written by the forward, and in a
+    training call, a buffer saved after the call's write (no error) or before it (an
+    error, as eager's)."""
+    def step(x, cache):
+        cache.add_(x)
+        return cache * 2
+
+    g = autograph.graphed(step)
+    w = torch.randn(3, device=device, requires_grad=True)
+    cache = torch.zeros(3, device=device)
+    for _ in range(6):
+        y = w * cache  # saves cache
+        with torch.no_grad():
+            g(torch.ones(3, device=device), cache)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+    model = Counted(write_first=True).to(device)
+    frozen = autograph.graphed(model)
+    for _ in range(6):
+        z = w * model.count
+        with torch.no_grad():
+            frozen(torch.randn(2, 6, device=device))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            z.sum().backward()
+    assert autograph.stats(frozen)["replays"] >= 3, autograph.stats(frozen)
+
+    for write_first in (True, False):
+        torch.manual_seed(0)
+        eager = Counted(write_first).to(device)
+        mine = copy.deepcopy(eager)
+        trained = autograph.graphed(mine)
+        for _ in range(6):
+            x = torch.randn(2, 6, device=device)
+            for m, f in ((eager, eager), (mine, trained)):
+                m.zero_grad()
+                loss = f(x).sum()
+                if write_first:
+                    loss.backward()
+                else:
+                    with pytest.raises(RuntimeError, match="modified by an inplace"):
+                        loss.backward()
+            torch.testing.assert_close(mine.count, eager.count)
+            if write_first:
+                torch.testing.assert_close(mine.lin.weight.grad, eager.lin.weight.grad)
+        assert autograph.stats(trained)["replays"] >= 3, autograph.stats(trained)
+
+
+def test_version_counters_advance_as_in_eager():
+    check_version_counters_advance_as_in_eager()

@@ -17,6 +17,7 @@ from ..test_backward import (
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
     check_state_and_arguments_written_before_backward_raise,
+    check_version_counters_advance_as_in_eager,
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
@@ -145,3 +146,7 @@ def test_container_arguments_changed_by_the_call():
 def test_a_graphed_sentence_transformer_fills_the_callers_features():
     pytest.importorskip("sentence_transformers")
     check_a_graphed_sentence_transformer_fills_the_callers_features("cuda")
+
+
+def test_version_counters_advance_as_in_eager():
+    check_version_counters_advance_as_in_eager("cuda")

@@ -263,7 +263,8 @@ class Engine:
     def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The original call, uncounted (under the watch, in a profiler range)."""
         stack = running_stack()  # ``with running(watch)``, without its two calls
-        stack.append(self.watch)
+        watch = self.watch
+        stack.append(watch)
         try:
             if _profiling():
                 with record_function(self.labels["eager"]):
@@ -271,6 +272,8 @@ class Engine:
             return self.fn(*args, **kwargs)
         finally:
             stack.pop()
+            if watch.refs_moved():  # the call changed a name it reads: its own change
+                watch.accept_refs()
 
     def reset(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments (and try

@@ -262,6 +262,34 @@ class Watch:
             self._named_ptrs = [(v, v.data_ptr()) for _, v in self._refs
                                 if isinstance(v, torch.Tensor)]
 
+    def ref_values(self) -> list[Any]:
+        """What the guarded names (globals, closure cells, class attributes, the
+        owner's attributes) hold now, for :meth:`refs_assigned` after a call."""
+        return [get() for get, _ in self._refs]
+
+    def refs_assigned(self, before: list[Any]) -> bool:
+        """After a call: whether the call itself changed a name it reads (``global
+        n; n += 1``, ``type(self).calls += 1``) from the values in ``before``.  The
+        guard then takes the values it left: the change is the call's own, as an
+        attribute its forward assigns, not a change between calls to drop graphs for."""
+        refs = self._refs
+        if len(before) != len(refs) or all(
+                same(get(), then) for (get, _), then in zip(refs, before)):
+            return False
+        self.accept_refs()
+        return True
+
+    def accept_refs(self) -> None:
+        """Take the values the guarded names hold now as the ones seen (after an eager
+        run of a call that changes one)."""
+        self._refs = [(get, get()) for get, _ in self._refs]
+        self._named_ptrs = [(v, v.data_ptr()) for _, v in self._refs
+                            if isinstance(v, torch.Tensor)]
+
+    def refs_moved(self) -> bool:
+        """Whether a guarded name holds another value than the one seen."""
+        return any(not same(get(), value) for get, value in self._refs)
+
     def owner_items(self) -> list[tuple[str, Any]] | None:
         """The attributes of the plain object whose method is graphed, or None."""
         obj = self._owner() if self._owner is not None else None

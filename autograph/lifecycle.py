@@ -81,6 +81,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     args, kwargs = flat.call()
     shapes = _geometry(flat.leaves, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs) if learn else []
+    refs = watch.ref_values() if learn else None
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.assigned = None
@@ -107,6 +108,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         _check_geometry(flat.leaves, flat.tensor_pos, shapes)
         if snap:
             containers.changes(snap, out)  # raises for a change no replay can repeat
+        if refs is not None and watch.refs_assigned(refs):
+            raise Uncapturable(EagerReason.ASSIGNS, _REF_ASSIGNED)
         problem = None
     except Uncapturable as exc:
         # kept without its traceback: its frames (these locals hold the outputs, the
@@ -249,6 +252,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs)
+    refs = watch.ref_values()
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))
     for n, t in enumerate(state):  # parameters, buffers, named tensors: negative positions
@@ -295,6 +299,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check_objects(flat)
     _check_geometry(substituted, flat.tensor_pos, shapes)
     syncs = containers.changes(snap, out) if snap else ()
+    if watch.refs_assigned(refs):
+        raise Uncapturable(EagerReason.ASSIGNS, _REF_ASSIGNED)
     watch.steps.add(stepped.optimizers)
     effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}
@@ -315,6 +321,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     captured.syncs = syncs
     captured.bumps = _bumps(counted, versions, len(inplace), inplace)
     return captured
+
+
+_REF_ASSIGNED = "a global or class attribute that it reads"
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int | None]:

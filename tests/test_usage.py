@@ -1588,3 +1588,35 @@ def check_container_arguments_changed_by_the_call(device: str = "cpu") -> None:
 
 def test_container_arguments_changed_by_the_call(standin):
     check_container_arguments_changed_by_the_call()
+
+
+class CountsCalls(nn.Module):
+    calls = 0  # a class attribute the forward reads and changes
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        CountsCalls.calls += 1
+        return self.lin(x) * 2
+
+
+def check_a_forward_that_changes_a_name_it_reads(device: str = "cpu") -> None:
+    """A forward that changes a class attribute (or global) it reads runs eagerly, so
+    the change happens on every call as in eager mode, without dropping and warming up
+    graphs on every call; a caller's change between calls is still seen."""
+    model = CountsCalls().to(device)
+    g = autograph.graphed(model)
+    before = CountsCalls.calls
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), model.lin(x) * 2)
+    assert CountsCalls.calls == before + 10
+    s = autograph.stats(g)
+    assert s["invalidations"] == 0 and s["eager_reasons"].get("assigns_attribute", 0) >= 8, s
+
+
+def test_a_forward_that_changes_a_name_it_reads(standin):
+    check_a_forward_that_changes_a_name_it_reads()

@@ -8,7 +8,11 @@ difference between methods names the node or operator it comes from.  The profil
 adds about a microsecond per event to every method alike; autograph's forward takes
 its full path under a profiler (profiler ranges, no shortcut).  Needs CUDA.
 
-    PYTHONPATH=. python tools/train_trace.py [--batch 1] [--steps 200] [--top 18]
+With ``--runtime``, the CUDA runtime calls per step instead (``cudaEventRecord``,
+``cudaStreamWaitEvent``, launches: the profiler's CUDA activity), which show stream
+synchronizations that no operator names.
+
+    PYTHONPATH=. python tools/train_trace.py [--batch 1] [--steps 200] [--top 18] [--runtime]
 """
 
 import argparse
@@ -29,7 +33,9 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--runtime", action="store_true", help="CUDA runtime calls per step")
     a = ap.parse_args()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.runtime else [])
     torch.manual_seed(0)
     base = policy().cuda()
     x = torch.randn(a.batch, 64, device="cuda")
@@ -52,12 +58,14 @@ def main():
     torch.cuda.synchronize()
     tables = {}
     for method, step in runs.items():
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with profile(activities=activities) as prof:
             for _ in range(a.steps):
                 step()
             torch.cuda.synchronize()
         rows = {}
         for ev in prof.key_averages():
+            if a.runtime and not ev.key.startswith("cuda"):
+                continue
             rows[ev.key] = (ev.self_cpu_time_total / a.steps, ev.cpu_time_total / a.steps,
                             ev.count / a.steps)
         tables[method] = rows

@@ -37,6 +37,7 @@ from ..test_objects import (
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
     check_a_class_attribute_flag_is_seen,
+    check_a_forward_that_changes_a_name_it_reads,
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_conjugate_and_negative_views,
@@ -150,3 +151,7 @@ def test_a_graphed_sentence_transformer_fills_the_callers_features():
 
 def test_version_counters_advance_as_in_eager():
     check_version_counters_advance_as_in_eager("cuda")
+
+
+def test_a_forward_that_changes_a_name_it_reads():
+    check_a_forward_that_changes_a_name_it_reads("cuda")

@@ -132,9 +132,12 @@ def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
         with torch.autocast(device.type, enabled=False), hooks_held(targets):
             got = torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
                                       allow_unused=True)
-        if bufs is None or any(g is not None and g.layout is not torch.strided
-                               for g in got):
-            lent[0] = False  # sparse gradients: copied out after each replay
+        if any(g is not None and g.layout is not torch.strided for g in got):
+            # a sparse gradient (``Embedding(sparse=True)``): its indices and values are
+            # new tensors each time in eager mode, whose number a graph would fix
+            raise RuntimeError("a sparse gradient: backwards run eagerly")
+        if bufs is None:
+            lent[0] = False
             return got
         pairs = [(b, g) for b, g in zip(bufs, got) if g is not None]
         copy_all([b for b, _ in pairs], [g for _, g in pairs])

@@ -1307,3 +1307,27 @@ def check_version_counters_advance_as_in_eager(device: str = "cpu") -> None:
 
 def test_version_counters_advance_as_in_eager():
     check_version_counters_advance_as_in_eager()
+
+
+def check_sparse_gradients_train_as_eager(device: str = "cpu") -> None:
+    """``Embedding(sparse=True)`` gives sparse gradients, new tensors each backward in
+    eager mode: the forward replays, its backwards run eagerly, parameters equal."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Embedding(20, 8, sparse=True), nn.Linear(8, 2)).to(device)
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, mine)]
+    for _ in range(6):
+        ids = torch.randint(0, 20, (3, 4), device=device)
+        for f, opt in zip((eager, g), opts):
+            opt.zero_grad()
+            f(ids).pow(2).mean().backward()
+            opt.step()
+        for a, b in zip(eager.parameters(), mine.parameters()):
+            torch.testing.assert_close(b, a)
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["backward_replays"] == 0 and s["backward_eager"] >= 3, s
+
+
+def test_sparse_gradients_train_as_eager():
+    check_sparse_gradients_train_as_eager()

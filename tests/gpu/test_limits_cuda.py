@@ -16,6 +16,7 @@ from ..test_backward import (
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
+    check_sparse_gradients_train_as_eager,
     check_state_and_arguments_written_before_backward_raise,
     check_version_counters_advance_as_in_eager,
 )
@@ -155,3 +156,7 @@ def test_version_counters_advance_as_in_eager():
 
 def test_a_forward_that_changes_a_name_it_reads():
     check_a_forward_that_changes_a_name_it_reads("cuda")
+
+
+def test_sparse_gradients_train_as_eager():
+    check_sparse_gradients_train_as_eager("cuda")

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -58,6 +58,65 @@ from .vocab import EagerReason
 
 _HELD = replay.HELD
 _TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
+
+
+class OutputView(NamedTuple):
+    """An output that is another output of the call, or a view of it (``return h,
+    h[:, :2]``): made after the Function from that output's copy, so that the two alias
+    as in eager mode (a write to one shows in the other; autograd's view tracking
+    carries the view's gradient into its base's).  ``base`` indexes the Function's
+    outputs; ``geometry`` is None for the very tensor, else (size, stride, offset) in
+    the base's copy."""
+
+    position: int
+    base: int
+    geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None
+
+    def of(self, base: torch.Tensor) -> torch.Tensor:
+        if self.geometry is None:
+            return base
+        size, stride, offset = self.geometry
+        return base.as_strided(size, stride, base.storage_offset() + offset)
+
+
+def output_views(flat_out: list[Any], pooled: list[int]) -> tuple[list[int], list[OutputView]]:
+    """Split the pooled outputs (positions in ``flat_out``) into those the Function
+    returns and those that alias one of them (see :class:`OutputView`); larger outputs
+    are taken as bases first."""
+    order = sorted(pooled, key=lambda j: -flat_out[j].numel())
+    bases: list[int] = []
+    found: dict[int, tuple[int, Any]] = {}
+    for j in order:
+        for i in bases:
+            geometry = _within(flat_out[j], flat_out[i])
+            if geometry is not False:
+                found[j] = (i, geometry)
+                break
+        else:
+            bases.append(j)
+    kept = [j for j in pooled if j not in found]
+    index = {j: k for k, j in enumerate(kept)}
+    views = [OutputView(j, index[i], geometry) for j, (i, geometry) in found.items()]
+    return kept, views
+
+
+def _within(t: torch.Tensor, base: torch.Tensor) -> Any:
+    """``t``'s geometry in a dense copy of ``base`` (None: ``t`` is ``base``), or False
+    where ``t`` is no view inside ``base`` that such a copy can stand for."""
+    if t is base:
+        return None
+    if t.numel() == 0 or t.dtype != base.dtype or t.requires_grad != base.requires_grad \
+            or t.layout is not torch.strided or base.layout is not torch.strided \
+            or t.is_conj() or base.is_conj() or t.is_neg() or base.is_neg() \
+            or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
+            or torch.empty_like(base).stride() != base.stride():  # a copy keeps its strides
+        return False
+    low = t.storage_offset()
+    high = low + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = base.storage_offset()
+    if low < start or high >= start + base.numel():
+        return False
+    return tuple(t.shape), tuple(t.stride()), low - start
 
 
 class _Call:
@@ -79,7 +138,7 @@ class Trained(replay.Captured):
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
-                 "bump_after")
+                 "bump_after", "views")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -99,7 +158,9 @@ class Trained(replay.Captured):
         # without a Size, pytree's plain walk, which tests no node
         self.leaf = size_leaf if any(isinstance(v, torch.Size) for v in flat_out) else None
         pool_ids = {id(t) for t in getattr(base.build, "pool_outputs", ())}
-        self.pool_idx = [j for j, v in enumerate(flat_out) if id(v) in pool_ids]
+        # the outputs the Function returns, and those made from them after it
+        self.pool_idx, self.views = output_views(
+            flat_out, [j for j, v in enumerate(flat_out) if id(v) in pool_ids])
         pooled = [flat_out[j] for j in self.pool_idx]
         self.diff = [k for k, t in enumerate(pooled) if t.requires_grad]
         self.nondiff = [k for k, t in enumerate(pooled) if not t.requires_grad]
@@ -156,7 +217,7 @@ class Trained(replay.Captured):
         engine then runs the call eagerly for ``held_reason``).  With ``reuse`` (see
         :meth:`lend`) a call that finds an earlier output held returns HELD too."""
         lock = self.pool.lock
-        sources, spec, pool_idx = self.sources, self.spec, self.pool_idx
+        sources, spec, pool_idx, views = self.sources, self.spec, self.pool_idx, self.views
         state, inputs_state = self.state, self.inputs_state
 
         def run(leaves: Any) -> Any:
@@ -181,6 +242,8 @@ class Trained(replay.Captured):
             flat = flat_box[0]
             for k, j in enumerate(pool_idx):
                 flat[j] = outs[k]
+            for view in views:
+                flat[view.position] = view.of(outs[view.base])
             return pytree.tree_unflatten(flat, spec)
 
         flags_list = list(self.flags)

@@ -18,6 +18,7 @@ from ..test_backward import (
     check_saved_tensor_hooks_run_eagerly,
     check_sparse_gradients_train_as_eager,
     check_state_and_arguments_written_before_backward_raise,
+    check_training_outputs_that_alias_keep_aliasing,
     check_version_counters_advance_as_in_eager,
 )
 from ..test_buckets import (
@@ -160,3 +161,7 @@ def test_a_forward_that_changes_a_name_it_reads():
 
 def test_sparse_gradients_train_as_eager():
     check_sparse_gradients_train_as_eager("cuda")
+
+
+def test_training_outputs_that_alias_keep_aliasing():
+    check_training_outputs_that_alias_keep_aliasing("cuda")

@@ -19,7 +19,7 @@ not returned, or nested in another argument) makes the key run eagerly
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import MutableMapping, MutableSequence
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 import torch
@@ -30,16 +30,54 @@ from .flat import Flat, size_leaf, unopened
 from .vocab import EagerReason, Uncapturable
 
 Where = int | str  # a positional argument's index, or a keyword argument's name
-Snapshot = list[tuple[Where, Any, Any, list[Any]]]  # (where, container, spec, leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Top:
+    """A top-level container argument before the call: how it flattens, and the
+    mutable containers it holds directly (key or index: the container, its leaves)."""
+
+    where: Where
+    value: Any
+    spec: Any
+    leaves: list[Any]
+    nested: dict[Any, tuple[Any, Any, list[Any]]]
+
+
+Snapshot = list[Top]
 
 
 @dataclasses.dataclass(frozen=True)
 class Sync:
     """A container argument the function changes and returns: ``arg`` says where the
-    caller passed it, ``slot`` where the output holds it (None: it is the output)."""
+    caller passed it, ``slots`` where the output holds it (None: it is the output),
+    ``keep`` the keys of the dicts it holds, which keep the caller's own objects."""
 
     arg: Where
-    slot: int | None
+    slots: tuple[int, ...] | None
+    keep: tuple[Any, ...] = ()
+
+
+def shared(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether one mutable container (a dict, a list, a mapping or sequence pytree
+    opens) is passed more than once (``f(d, d)``, or inside another argument): the
+    function would get one rebuilt container per place, so a change made through one
+    would not show through the other, as it does in eager mode."""
+    seen: set[int] = set()
+    stack: list[Any] = [*args, *kwargs.values()]
+    while stack:
+        value = stack.pop()
+        if unopened(type(value)):
+            continue
+        if isinstance(value, (MutableMapping, MutableSequence)):
+            if id(value) in seen:
+                return True
+            seen.add(id(value))
+        if isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return False
 
 
 def snapshot(flat: Flat, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
@@ -47,67 +85,94 @@ def snapshot(flat: Flat, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snaps
     Empty where the call opened no container."""
     if flat.spec is None:
         return []
-    tops: list[tuple[Where, Any]] = [*enumerate(args), *kwargs.items()]
     out: Snapshot = []
+    tops: list[tuple[Where, Any]] = [*enumerate(args), *kwargs.items()]
     for where, value in tops:
         if not unopened(type(value)):  # a container pytree opens
-            leaves, spec = pytree.tree_flatten(value, is_leaf=size_leaf)
-            out.append((where, value, spec, leaves))
+            spec, leaves = _flatten(value)
+            items = value.items() if isinstance(value, Mapping) else \
+                enumerate(value) if isinstance(value, (list, tuple)) else ()
+            nested = {k: (v, *_flatten(v)) for k, v in items
+                      if isinstance(v, (MutableMapping, MutableSequence))}
+            out.append(Top(where, value, spec, leaves, nested))
     return out
+
+
+def _flatten(value: Any) -> tuple[Any, list[Any]]:
+    leaves, spec = pytree.tree_flatten(value, is_leaf=size_leaf)
+    return spec, leaves
+
+
+def _same(value: Any, spec: Any, leaves: list[Any]) -> bool:
+    spec_now, now = _flatten(value)
+    return spec_now == spec and len(now) == len(leaves) and all(
+        a is b or (not isinstance(a, torch.Tensor) and same(a, b))
+        for a, b in zip(now, leaves))
 
 
 def changes(snap: Snapshot, out: Any) -> tuple[Sync, ...]:
     """What the call changed in its container arguments, as :class:`Sync` entries;
     raises :class:`Uncapturable` for a change a replay cannot repeat."""
     found: list[Sync] = []
-    for where, value, spec, leaves in snap:
-        now, spec_now = pytree.tree_flatten(value, is_leaf=size_leaf)
-        if spec_now == spec and len(now) == len(leaves) and all(
-                a is b or (not isinstance(a, torch.Tensor) and same(a, b))
-                for a, b in zip(now, leaves)):
+    for top in snap:
+        if _same(top.value, top.spec, top.leaves):
             continue
-        if not isinstance(value, (MutableMapping, MutableSequence)):
+        if not isinstance(top.value, (MutableMapping, MutableSequence)):
             raise Uncapturable(EagerReason.ASSIGNS, f"an item inside a "
-                               f"{type(value).__name__} argument")
-        found.append(Sync(where, _slot(value, out)))
+                               f"{type(top.value).__name__} argument")
+        if top.nested and not isinstance(top.value, MutableMapping):
+            raise Uncapturable(EagerReason.ASSIGNS, "a list argument holding dicts or lists")
+        mapping: Any = top.value
+        for key, (inner, spec, leaves) in top.nested.items():
+            if mapping.get(key) is not inner or not _same(inner, spec, leaves):
+                raise Uncapturable(EagerReason.ASSIGNS, "an item of a dict or list inside "
+                                   "an argument")
+        found.append(Sync(top.where, _slots(top.value, out), tuple(top.nested)))
     return tuple(found)
 
 
-def _slot(value: Any, out: Any) -> int | None:
+def _slots(value: Any, out: Any) -> tuple[int, ...] | None:
     if out is value:
         return None
     if isinstance(out, (tuple, list)):
-        for k, item in enumerate(out):
-            if item is value:
-                return k
+        slots = tuple(k for k, item in enumerate(out) if item is value)
+        if slots:
+            return slots
     raise Uncapturable(EagerReason.ASSIGNS, "an item of a dict or list argument that the "
                        "call does not return")
 
 
 def apply(syncs: tuple[Sync, ...], flat: Flat, result: Any) -> Any:
-    """After a replay: the caller's containers given the items of the returned ones,
-    and returned in their place."""
+    """After a replay: the caller's containers given the items of the returned ones
+    (the dicts they held kept as the caller's own objects), and returned in their
+    place."""
     original = flat.original
     if original is None:  # pragma: no cover - a Sync is only learned with containers
         return result
     args, kwargs = original
     for sync in syncs:
         mine = args[sync.arg] if isinstance(sync.arg, int) else kwargs[sync.arg]
-        theirs = result if sync.slot is None else result[sync.slot]
+        theirs = result if sync.slots is None else result[sync.slots[0]]
         if theirs is mine:  # an eager run's result (verify.py): changed already
             continue
         if isinstance(mine, MutableMapping):
+            kept = {key: mine[key] for key in sync.keep}
             mine.clear()
             mine.update(theirs)
+            mine.update(kept)
         else:
             mine[:] = theirs
-        if sync.slot is None:
-            result = mine
-        elif isinstance(result, list):
-            result[sync.slot] = mine
-        else:
-            result = type(result)(*[mine if k == sync.slot else v  # a named tuple too
-                                    for k, v in enumerate(result)]) \
-                if hasattr(result, "_fields") else \
-                tuple(mine if k == sync.slot else v for k, v in enumerate(result))
+        result = _put(result, sync.slots, mine)
     return result
+
+
+def _put(result: Any, slots: tuple[int, ...] | None, mine: Any) -> Any:
+    """``result`` with ``mine`` at ``slots`` (None: ``mine`` is the result)."""
+    if slots is None:
+        return mine
+    if isinstance(result, list):
+        for k in slots:
+            result[k] = mine
+        return result
+    items = [mine if k in slots else v for k, v in enumerate(result)]
+    return type(result)(*items) if hasattr(result, "_fields") else tuple(items)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from . import containers
 from .flat import BY_VALUE, FLAT, Flat, size_leaf, spec_key, unopened
 from .memo import KeyMemo
 from .objects import (
@@ -174,6 +175,8 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
         memo.learn(args, parts, device)  # plain positional tensors only
     flat = Flat(leaves, len(args), names, spec, tensor_pos)
     if spec is not None:
+        if containers.shared(args, kwargs):
+            raise Uncapturable(EagerReason.UNKEYABLE, "one dict or list passed more than once")
         flat.original = (args, kwargs)
     key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
     if objs:

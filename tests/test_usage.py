@@ -1620,3 +1620,53 @@ def check_a_forward_that_changes_a_name_it_reads(device: str = "cpu") -> None:
 
 def test_a_forward_that_changes_a_name_it_reads(standin):
     check_a_forward_that_changes_a_name_it_reads()
+
+
+def check_container_arguments_shared_nested_and_returned_twice(device: str = "cpu"
+                                                                ) -> None:
+    """One dict passed twice runs eagerly (a change through one name shows through the
+    other); dicts held by a changed dict stay the caller's objects, and a change inside
+    one runs eagerly; a changed dict returned twice is the caller's dict twice."""
+    def through_both(a, b):
+        a["y"] = a["x"] * 2
+        return a, b["y"] * 3
+
+    def nested(d):
+        d["out"] = d["x"] + d["cfg"]["bias"]
+        return d
+
+    def inner_change(d):
+        d["cfg"]["seen"] = d["x"].sum()
+        return d
+
+    def twice(d):
+        d["y"] = d["x"] + 1
+        return d, d
+
+    fns = [through_both, nested, inner_change, twice]
+    g = {f: autograph.graphed(f) for f in fns}
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, device=device)
+            d = {"x": x}
+            out, y = g[through_both](d, d)
+            assert out is d and torch.equal(y, x * 6)
+            cfg = {"bias": torch.ones(3, device=device)}
+            d = {"x": x, "cfg": cfg}
+            assert g[nested](d) is d and d["cfg"] is cfg
+            torch.testing.assert_close(d["out"], x + 1)
+            cfg = {}
+            d = {"x": x, "cfg": cfg}
+            g[inner_change](d)
+            assert d["cfg"] is cfg and torch.equal(cfg["seen"], x.sum())
+            d = {"x": x}
+            a, b = g[twice](d)
+            assert a is d and b is d and torch.equal(d["y"], x + 1)
+    stats = {f.__name__: autograph.stats(h) for f, h in g.items()}
+    assert stats["through_both"]["replays"] == 0, stats
+    assert stats["inner_change"]["replays"] == 0, stats
+    assert stats["nested"]["replays"] >= 3 and stats["twice"]["replays"] >= 3, stats
+
+
+def test_container_arguments_shared_nested_and_returned_twice(standin):
+    check_container_arguments_shared_nested_and_returned_twice()

@@ -44,6 +44,7 @@ from ..test_usage import (
     check_arguments_resized_by_the_call,
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
+    check_container_arguments_shared_nested_and_returned_twice,
     check_overlapping_outputs_keep_their_layout,
     check_returned_attribute_tensors_are_themselves,
 )
@@ -165,3 +166,7 @@ def test_sparse_gradients_train_as_eager():
 
 def test_training_outputs_that_alias_keep_aliasing():
     check_training_outputs_that_alias_keep_aliasing("cuda")
+
+
+def test_container_arguments_shared_nested_and_returned_twice():
+    check_container_arguments_shared_nested_and_returned_twice("cuda")

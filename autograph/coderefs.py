@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import dis
+import enum
 import functools
 import inspect
 import types
@@ -35,20 +36,54 @@ def same(now: Any, then: Any) -> bool:
     return False
 
 
-def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
-    """Getters for the modules, tensors and scalars that ``fn`` names in its globals
-    and closure cells, with their current values."""
+def _chain(fn: Any) -> list[Any]:
+    """The function and those it wraps (``__wrapped__``: ``functools.wraps``,
+    ``@torch.no_grad()``, transformers' layer decorators), outermost first: each one's
+    code runs on a call.  A bound method's function stands for the method."""
     fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:
-        return []
+    out = [fn]
+    while (inner := getattr(out[-1], "__wrapped__", None)) is not None and len(out) < 16:
+        out.append(getattr(inner, "__func__", inner))
+    return out
+
+
+def _unwrapped(fn: Any) -> Any:
+    """The innermost function (see :func:`_chain`)."""
+    return _chain(fn)[-1]
+
+
+def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the modules, tensors and plain values that ``fn`` (and each function
+    it wraps, see :func:`_chain`) names in its globals and closure cells, with their
+    current values; the globals it assigns, of any value (a replay would not assign
+    them); and the plain values held by the classes it names as globals under an
+    attribute name its code uses (``Cfg.flag``).  torch's own wrappers are skipped."""
+    out: list[tuple[Callable[[], Any], Any]] = []
+    inner = _unwrapped(fn)
+    for f in _chain(fn):
+        code = getattr(f, "__code__", None)
+        if code is None or (f is not inner and not _user_module(f)):
+            continue
+        out += _function_refs(f, code, cells=f is inner)  # a decorator's cells: its set-up
+    return out
+
+
+def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
+                   ) -> list[tuple[Callable[[], Any], Any]]:
     out: list[tuple[Callable[[], Any], Any]] = []
     glb = getattr(fn, "__globals__", {})
-    for name in sorted(_global_names(code)):
+    loads, stores = _global_names(code)
+    attributes: set[str] | None = None
+    for name in sorted(loads | stores):
         value = glb.get(name, MISSING)
-        if _trackable(value):
+        if name in stores or _trackable(value):
             out.append((_global_getter(glb, name), value))
-    for cell in getattr(fn, "__closure__", None) or ():
+        elif isinstance(value, type) and _user_class(value) and not issubclass(
+                value, enum.Enum) and not dataclasses.is_dataclass(value):  # constants
+            if attributes is None:
+                attributes = _code_names(code)
+            out += _class_values(value, attributes)
+    for cell in (getattr(fn, "__closure__", None) or ()) if cells else ():
         try:
             value = cell.cell_contents
         except ValueError:  # empty cell
@@ -58,90 +93,176 @@ def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     return out
 
 
+def _user_module(fn: Any) -> bool:
+    return str(getattr(fn, "__module__", "")).partition(".")[0] != "torch"
+
+
 def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     """Getters for the attributes of ``obj``, a plain object (not a module) whose method
-    ``fn`` is graphed, that the method may read: the modules, tensors and scalars held
-    in ``obj.__dict__`` under a name its code (or a method of ``obj``'s class it names)
-    uses; and the number of attributes (one added may shadow a class attribute)."""
+    ``fn`` is graphed, that the method may read: the modules, tensors and plain values
+    held in ``obj.__dict__`` under a name its code (or a method of ``obj``'s class it
+    names) uses, and its class's plain values under such names; and the number of
+    attributes (one added may shadow a class attribute)."""
     d = getattr(obj, "__dict__", None)
-    code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-    if not isinstance(d, dict) or code is None:
+    codes = _codes_of(fn)
+    if not isinstance(d, dict) or not codes:
         return []
-    names = _attribute_names(type(obj), code)
-    out = [(_global_getter(d, n), d[n]) for n in sorted(names) if _trackable(d.get(n))]
+    names = _attribute_names(type(obj), codes)
+    out = [(_global_getter(d, n), d[n]) for n in sorted(names) if n in d and _trackable(d[n])]
+    if _user_class(type(obj)):
+        out += _class_values(type(obj), {n for n in names if n not in d})
     out.append((d.__len__, len(d)))
     return out
 
 
 def class_refs(objects: Iterable[Any]) -> list[tuple[Callable[[], Any], Any]]:
     """Getters for the class attributes that the ``forward`` of each object's class
-    may read (the scalars its class, or a base, holds under a name its code or a method
-    of the class it names uses), unless every object shadows the name with its own.
-    A flag flipped on the class (``Gate.fused = False``) changes every instance at once
-    and sets no attribute of any, so it is read again on every call.  torch's own
-    classes are left out: their class attributes are no switches."""
+    may read: the plain values its class, or a base, holds under a name that its code,
+    a method of the class it names (``super()`` included), or a method named by
+    another object's code (a parent calling ``self.sub.helper()``) uses, unless every
+    object shadows the name with its own.  A flag flipped on the class (``Gate.fused =
+    False``) changes every instance at once and sets no attribute of any, so it is read
+    again on every call.  torch's own classes are left out: their class attributes are
+    no switches."""
     by_class: dict[type, list[Any]] = {}
     for obj in objects:
         by_class.setdefault(type(obj), []).append(obj)
+    forwards: dict[type, list[types.CodeType]] = {}
+    for cls in by_class:
+        if _user_class(cls):
+            codes = _codes_of(inspect.getattr_static(cls, "forward", None))
+            if codes:
+                forwards[cls] = codes
+    named: set[str] = set()
+    for cls, codes in forwards.items():
+        named |= _attribute_names(cls, codes)
     out: list[tuple[Callable[[], Any], Any]] = []
-    for cls, objs in by_class.items():
-        if cls.__module__.partition(".")[0] == "torch":
-            continue
-        code = getattr(inspect.getattr_static(cls, "forward", None), "__code__", None)
-        if not isinstance(code, types.CodeType):
-            continue
-        for name in sorted(_attribute_names(cls, code)):
-            value = inspect.getattr_static(cls, name, MISSING)
-            if isinstance(value, _SCALARS) and value is not None and \
-                    not all(name in getattr(o, "__dict__", ()) for o in objs):
-                out.append((_class_getter(cls, name), value))
+    for cls, codes in forwards.items():
+        helpers = [c for n in named for c in _codes_of(_static(cls, n))]
+        names = _attribute_names(cls, [*codes, *helpers])
+        objs = by_class[cls]
+        out += _class_values(cls, {n for n in names
+                                   if not all(n in getattr(o, "__dict__", ()) for o in objs)})
     return out
+
+
+def _user_class(cls: type) -> bool:
+    """A class of the user's (not torch's, not a builtin)."""
+    return cls.__module__.partition(".")[0] not in ("torch", "builtins")
+
+
+def _class_values(cls: type, names: Iterable[str]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the plain values ``cls`` (or a base) holds under ``names``."""
+    out: list[tuple[Callable[[], Any], Any]] = []
+    for name in sorted(names):
+        if name.startswith("__"):
+            continue
+        value = inspect.getattr_static(cls, name, MISSING)
+        if value is not MISSING and _plain(value):
+            out.append((_class_getter(cls, name), value))
+    return out
+
+
+def _static(cls: type, name: str) -> Any:
+    return inspect.getattr_static(cls, name, None)
+
+
+def _code_of(attr: Any) -> types.CodeType | None:
+    """The code of a function, method, property or staticmethod found on a class (the
+    innermost, under decorators: see :func:`_codes_of` for all)."""
+    codes = _codes_of(attr)
+    return codes[-1] if codes else None
+
+
+def _codes_of(attr: Any) -> list[types.CodeType]:
+    """The code of each function in the :func:`_chain` of a function, method, property
+    or staticmethod found on a class."""
+    attr = getattr(attr, "fget", None) or getattr(attr, "__func__", attr)
+    if attr is None:
+        return []
+    codes = (getattr(f, "__code__", None) for f in _chain(attr))
+    return [c for c in codes if isinstance(c, types.CodeType)]
 
 
 def _class_getter(cls: type, name: str) -> Callable[[], Any]:
     return lambda: getattr(cls, name, MISSING)
 
 
-def _attribute_names(cls: type, code: types.CodeType) -> set[str]:
-    """The names ``code`` uses (``co_names``: attributes and globals), with those of the
-    nested code and of the methods and properties of ``cls`` it names, transitively."""
+def _code_names(code: types.CodeType) -> set[str]:
+    """The attribute and global names ``code`` (and the code nested in it) uses, and
+    its string constants that are identifiers (``getattr(self, "flag")``)."""
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                stack.append(c)
+            elif isinstance(c, str) and c.isidentifier():
+                names.add(c)
+    return names
+
+
+def _attribute_names(cls: type, codes: list[types.CodeType]) -> set[str]:
+    """The names ``codes`` use (see :func:`_code_names`), with those of the methods and
+    properties of ``cls`` and its bases that they name, transitively (``super()``
+    calls reach a base's method of the same name)."""
     names: set[str] = set()
     seen: set[types.CodeType] = set()
-    stack = [code]
+    stack = list(codes)
     while stack:
         code = stack.pop()
         if code in seen:
             continue
         seen.add(code)
-        names.update(code.co_names)
-        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-        for name in code.co_names:
-            attr = inspect.getattr_static(cls, name, None)
-            attr = getattr(attr, "fget", None) or getattr(attr, "__func__", attr)
-            if isinstance(getattr(attr, "__code__", None), types.CodeType):
-                stack.append(attr.__code__)
+        found = _code_names(code)
+        names |= found
+        for name in found:
+            for klass in cls.__mro__:
+                stack += _codes_of(klass.__dict__.get(name))
     return names
 
 
 @functools.lru_cache(maxsize=1024)
-def _global_names(code: types.CodeType) -> frozenset[str]:
-    """The global names ``code`` (and the code nested in it) loads.  Not ``co_names``:
-    that also lists attribute names (``self.out`` next to a global ``out``, rebound by
-    the caller every call, would drop the graphs every call)."""
-    names = {ins.argval for ins in dis.get_instructions(code) if ins.opname in _GLOBAL_LOADS}
+def _global_names(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    """The global names ``code`` (and the code nested in it) loads, and those it
+    assigns or deletes.  Not ``co_names``: that also lists attribute names (``self.out``
+    next to a global ``out``, rebound by the caller every call, would drop the graphs
+    every call)."""
+    loads: set[str] = set()
+    stores: set[str] = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_LOADS:
+            loads.add(ins.argval)
+        elif ins.opname in _GLOBAL_STORES:
+            stores.add(ins.argval)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return frozenset(names)
+            inner_loads, inner_stores = _global_names(const)
+            loads |= inner_loads
+            stores |= inner_stores
+    return frozenset(loads), frozenset(stores)
 
 
 _GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})
+_GLOBAL_STORES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"})
+
+
+def _plain(value: Any) -> bool:
+    """A value a branch may be taken on, compared by equality or identity: None, a
+    number, a string, an enum member, a dtype or device, or a tuple of such."""
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, (tuple, frozenset)) and len(value) <= 16 and all(
+        _plain(v) for v in value)
+
+
+_PLAIN = (*_SCALARS, enum.Enum, torch.dtype, torch.device)
 
 
 def _trackable(value: Any) -> bool:
-    return isinstance(value, (nn.Module, torch.Tensor)) or (
-        isinstance(value, _SCALARS) and value is not None
-    )
+    return isinstance(value, (nn.Module, torch.Tensor)) or _plain(value)
 
 
 def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:

@@ -10,6 +10,7 @@ happened; where the call must run eagerly, that it did.  Reason strings are not 
 from __future__ import annotations
 
 import copy
+import enum
 import inspect
 import logging
 import random
@@ -1670,3 +1671,83 @@ def check_container_arguments_shared_nested_and_returned_twice(device: str = "cp
 
 def test_container_arguments_shared_nested_and_returned_twice(standin):
     check_container_arguments_shared_nested_and_returned_twice()
+
+
+class Mode(enum.Enum):
+    DOUBLE = 2
+    TRIPLE = 3
+
+
+class FlagBase(nn.Module):
+    flag = True
+    scale = None  # set to a number later
+    mode = Mode.DOUBLE
+    dims = (0,)
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        y = y.relu() if self.flag else y
+        if self.scale is not None:
+            y = y * self.scale
+        return y * self.mode.value + y.sum(self.dims, keepdim=True)
+
+
+class FlagSub(FlagBase):
+    @torch.no_grad()
+    def forward(self, x):  # decorated, and reaching the base's code through super()
+        return super().forward(x) + (1 if self.extra else 0)
+
+    extra = False
+
+
+class Settings:
+    bias = 0.0
+
+
+LAST_SEEN = None
+
+
+def uses_settings(x):
+    global LAST_SEEN
+    LAST_SEEN = "seen"
+    return x + Settings.bias
+
+
+def check_flags_read_through_classes_and_globals(device: str = "cpu") -> None:
+    """Values a call reads from classes and globals, flipped between calls, are seen
+    as eager sees them: class attributes read through ``super()``, under a decorated
+    forward, by ``getattr(self, "name")``, holding None, an enum member or a tuple; a
+    plain global class's attribute; a global the function assigns."""
+    global LAST_SEEN
+    model = FlagSub().to(device).eval()
+    g = autograph.graphed(model)
+    f = autograph.graphed(uses_settings)
+    flips = [lambda: setattr(FlagBase, "flag", False), lambda: setattr(FlagBase, "scale", 3.0),
+             lambda: setattr(FlagBase, "mode", Mode.TRIPLE),
+             lambda: setattr(FlagBase, "dims", (1,)), lambda: setattr(FlagSub, "extra", True)]
+    try:
+        with torch.no_grad():
+            for flip in [lambda: None, *flips]:
+                flip()
+                for _ in range(4):
+                    x = torch.randn(2, 4, device=device)
+                    torch.testing.assert_close(g(x), model.forward(x))
+            for bias in (0.0, 0.0, 0.0, 1.5, 1.5, 1.5):
+                Settings.bias = bias
+                LAST_SEEN = None
+                x = torch.randn(3, device=device)
+                torch.testing.assert_close(f(x), x + bias)
+                assert LAST_SEEN == "seen"
+    finally:
+        FlagBase.flag, FlagBase.scale, FlagBase.mode, FlagBase.dims = True, None, Mode.DOUBLE, (0,)
+        FlagSub.extra, Settings.bias = False, 0.0
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["invalidations"] >= 5, s
+
+
+def test_flags_read_through_classes_and_globals(standin):
+    check_flags_read_through_classes_and_globals()

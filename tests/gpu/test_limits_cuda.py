@@ -45,6 +45,7 @@ from ..test_usage import (
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
     check_container_arguments_shared_nested_and_returned_twice,
+    check_flags_read_through_classes_and_globals,
     check_overlapping_outputs_keep_their_layout,
     check_returned_attribute_tensors_are_themselves,
 )
@@ -170,3 +171,7 @@ def test_training_outputs_that_alias_keep_aliasing():
 
 def test_container_arguments_shared_nested_and_returned_twice():
     check_container_arguments_shared_nested_and_returned_twice("cuda")
+
+
+def test_flags_read_through_classes_and_globals():
+    check_flags_read_through_classes_and_globals("cuda")

@@ -313,6 +313,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     build = output_builder(out, leaves, static, inplace, persistent, reuse, aliases,
                            tuple((pos, walked) for pos, walked, _, _ in flat.objects))
     _try_build(build, leaves)
+    _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
     captured = Captured(graph, static, build, backend, device, recorder.seeded,
                         list(recorder.hidden.values()), state_written, inplace, reuse)
@@ -351,6 +352,20 @@ def _bumps(tensors: list[torch.Tensor], before: list[int | None], n_args: int,
         else:
             state += [t] * (now - then)
     return Bumps(tuple(positions), tuple(state))
+
+
+def _check_inference(outputs: Any) -> None:
+    """Raise where a replay could not hand out copies of the outputs as eager's are:
+    some made in inference mode and some not (``replay.in_inference_mode`` copies all
+    in one mode), or made outside inference mode by a call made inside it (the
+    function turned it off)."""
+    kinds = {t.is_inference() for t in outputs if isinstance(t, torch.Tensor)}
+    if len(kinds) > 1:
+        raise Uncapturable(EagerReason.OUTPUT, "outputs made both in and out of "
+                           "inference mode")
+    if kinds == {False} and torch.is_inference_mode_enabled():
+        raise Uncapturable(EagerReason.OUTPUT, "outputs made outside inference mode by "
+                           "a call made inside it")
 
 
 def _try_build(build: Callable[[list[Any]], Any], leaves: list[Any]) -> None:

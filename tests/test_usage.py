@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.utils import _pytree as pytree
 
 import autograph
 
@@ -1542,6 +1543,28 @@ def check_an_inference_mode_forward_returns_inference_tensors(device: str = "cpu
                 assert y.is_inference() and not y.requires_grad
                 torch.testing.assert_close(y, model(x))
         assert autograph.stats(g)["replays"] >= 8, autograph.stats(g)
+
+    @torch.inference_mode(False)
+    def normal(x):  # called inside inference mode: eager returns a normal tensor
+        return x.clone() * 2
+
+    def mixed(x):
+        with torch.inference_mode():
+            a = x * 2
+        return a, x * 3
+
+    for fn, mode in ((normal, torch.inference_mode), (mixed, torch.no_grad)):
+        g = autograph.graphed(fn)
+        for _ in range(6):
+            with mode():
+                x = torch.randn(3, device=device)
+            with mode():
+                want, got = fn(x), g(x)
+            for w, o in zip(pytree.tree_leaves(want), pytree.tree_leaves(got)):
+                assert o.is_inference() == w.is_inference()
+                torch.testing.assert_close(o, w)
+        s = autograph.stats(g)  # eager: a replay would copy them in one mode
+        assert s["eager_reasons"].get("unsupported_output", 0) >= 3, s
 
 
 def test_an_inference_mode_forward_returns_inference_tensors(standin):

@@ -57,6 +57,8 @@ from .stats import Stats
 from .vocab import EagerReason
 
 _HELD = replay.HELD
+_set_counters: Any = getattr(getattr(torch._C, "_autograd", None),
+                             "_unsafe_set_version_counter", None)
 _TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
 
 
@@ -138,7 +140,7 @@ class Trained(replay.Captured):
                  "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
                  "spare", "spare_due", "single", "recompute", "unsupported", "reached",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
-                 "bump_after", "views")
+                 "bump_after", "views", "bumps_held")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -151,6 +153,8 @@ class Trained(replay.Captured):
         # around the save for backward as the call's writes were (see ``split_bumps``)
         self.bump_before: list[torch.Tensor] = list(base.bumps.state)
         self.bump_after: list[torch.Tensor] = []
+        # the two lists while the capture's own call replays (its capture advanced them)
+        self.bumps_held: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.watch = watch
         self.stats = stats
         flat_out, self.spec = pytree.tree_flatten(out, is_leaf=size_leaf)
@@ -277,7 +281,24 @@ class Trained(replay.Captured):
             first = min(offsets.get(key, n), n)
             before += [t] * first
             after += [t] * (n - first)
-        self.bump_before, self.bump_after = before, after
+        # the capture's own call: its capture advanced every counter already, so none
+        # is advanced before its save; those it advanced after saving are taken back
+        # now and advanced again after the save, as for a later call
+        self.bump_before, self.bump_after = [], after
+        self.bumps_held = (before, after)
+        if after and _set_counters is not None:
+            taken: dict[int, list[Any]] = {}
+            for t in after:
+                taken.setdefault(id(t), [t, 0])[1] += 1
+            _set_counters(tuple(t for t, _ in taken.values()),
+                          tuple(t._version - n for t, n in taken.values()))
+
+    def release_bumps(self) -> None:
+        """After the capture's own call: later calls advance every counter (see
+        :meth:`split_bumps`)."""
+        if self.bumps_held is not None:
+            self.bump_before, self.bump_after = self.bumps_held
+            self.bumps_held = None
 
     def find_saved_outputs(self) -> None:
         """Note which outputs the captured graph saved for its backward (a sigmoid's

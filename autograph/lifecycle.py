@@ -20,6 +20,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -273,7 +274,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         with stepped, footprint, reads, recorder:
             return fn(*args, **kwargs)
 
-    counted = [leaves[i] for i in inplace] + state  # what replays bump (replay.Bumps)
+    # what replays bump (replay.Bumps): arguments written in place, state, and tensors
+    # held as plain attributes of the watched modules
+    counted = [leaves[i] for i in inplace] + state + watch.attribute_tensors()
     versions = _versions(counted)
 
     with call_scope(watch), hosts.constants(recorder):
@@ -321,6 +324,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     captured.effects = effects
     captured.syncs = syncs
     captured.bumps = _bumps(counted, versions, len(inplace), inplace)
+    written_hidden = _hidden_bumps(recorder, {id(_root(t)) for t in counted})
+    if written_hidden:
+        captured.bumps = captured.bumps._replace(hidden=written_hidden)
     return captured
 
 
@@ -338,15 +344,37 @@ def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
     return out
 
 
+def _hidden_bumps(recorder: Any, counted: set[int]) -> tuple[Any, ...]:
+    """Weak references to the tensors read from elsewhere (a plain object's) that the
+    capture advanced the version counter of, once per advance (not those ``counted``
+    otherwise: ids of their roots)."""
+    out: list[Any] = []
+    for k, then in recorder.hidden_versions.items():
+        t = recorder.hidden[k]
+        if id(_root(t)) not in counted:
+            out += [weakref.ref(t)] * max(0, t._version - then)
+    return tuple(out)
+
+
+def _root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` shares (its base, for a view)."""
+    return t._base if t._base is not None else t
+
+
 def _bumps(tensors: list[torch.Tensor], before: list[int | None], n_args: int,
            inplace: tuple[int, ...]) -> Bumps:
     """What the capture advanced the version counters of: the first ``n_args`` tensors
     are the arguments at ``inplace``, the rest state."""
     positions: list[int] = []
     state: list[torch.Tensor] = []
+    counters: set[int] = set()  # a view and its base share one counter: bumped once
     for k, (t, then, now) in enumerate(zip(tensors, before, _versions(tensors))):
         if then is None or now is None or now <= then:
             continue
+        root = _root(t)
+        if id(root) in counters:
+            continue
+        counters.add(id(root))
         if k < n_args:
             positions += [inplace[k]] * (now - then)
         else:

@@ -72,6 +72,9 @@ class _Recorder(TorchDispatchMode):
         self.known = known
         self.made: set[int] = set()
         self.hidden: dict[int, torch.Tensor] = {}
+        # each hidden tensor's version counter when first seen (before an operator's
+        # write advances it): what the call advanced it by is known after the call
+        self.hidden_versions: dict[int, int] = {}
         self.seeded = False
 
     def __torch_dispatch__(
@@ -100,7 +103,10 @@ class _Recorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not _is_fake(t):
                 k = _storage_key(t)
                 if k and k not in made and k not in known:  # type: ignore[operator]
-                    self.hidden.setdefault(k, t)
+                    if k not in self.hidden:
+                        self.hidden[k] = t
+                        if not t.is_inference():
+                            self.hidden_versions[k] = t._version
 
     def _note(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import containers, gate, lifecycle, replay, rotation, training
+from .backward import Trained
 from .cache import Entry, GraphCache
 from .capture import Backend
 from .flat import Flat
@@ -127,6 +128,9 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             entry.graph = captured
             return engine.replay_failed(entry, exc, flat, counted=False)
+        finally:
+            if isinstance(captured, Trained):
+                captured.release_bumps()
         missed = captured.static.differing(list(flat.leaves))
         if missed:  # written through something no operator declared (a raw kernel)
             engine.cache.rekey(key, entry, flat, set(missed))

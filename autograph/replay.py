@@ -58,6 +58,9 @@ class Bumps(NamedTuple):
 
     positions: tuple[int, ...]
     state: tuple[torch.Tensor, ...]
+    # tensors read from elsewhere (a plain object's), held weakly as their guard holds
+    # them: a graph must not keep them alive
+    hidden: tuple[Any, ...] = ()
 
 
 class Captured:
@@ -305,8 +308,8 @@ def versioned(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], 
     a tensor that autograd saved before the call, then written by it, makes that
     backward raise as in eager mode.  ``run`` itself where the call writes nothing
     counted (most calls)."""
-    positions, state = captured.bumps
-    if not (positions or state) or _increment_version is None:
+    positions, state, hidden = captured.bumps
+    if not (positions or state or hidden) or _increment_version is None:
         return run
     bump = _increment_version
     fixed = list(state)
@@ -314,7 +317,10 @@ def versioned(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], 
     def run_versioned(leaves: Any) -> Any:
         out = run(leaves)
         if out is not HELD:
-            bump([leaves[i] for i in positions] + fixed if positions else fixed)
+            tensors = [leaves[i] for i in positions] + fixed if positions else fixed
+            if hidden:  # one freed: the graphs go at the next call (its guard)
+                tensors = tensors + [t for r in hidden if (t := r()) is not None]
+            bump(tensors)
         return out
 
     return run_versioned

@@ -121,7 +121,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     leaves = flat.leaves
     wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
     # the parameters, buffers and named tensors the forward may save for its backward
-    state = {storage_ptr(t): t for t in (*watch.tensors(), *watch.named()) if t.numel()}
+    state = {storage_ptr(t): t for t in (*watch.tensors(), *watch.named(),
+                                         *watch.attribute_tensors()) if t.numel()}
     own = set(state)  # not overwritten by a replay
     saved: dict[int, torch.Tensor] = {}
     # per state tensor saved: the fewest in-place writes the call made to it before

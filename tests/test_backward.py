@@ -1374,3 +1374,61 @@ def check_training_outputs_that_alias_keep_aliasing(device: str = "cpu") -> None
 
 def test_training_outputs_that_alias_keep_aliasing():
     check_training_outputs_that_alias_keep_aliasing()
+
+
+class Holder:
+    pass
+
+
+HELD_STATE = Holder()
+
+
+class Accumulates(nn.Module):
+    """Writes a plain tensor attribute and a buffer through a view of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.acc = torch.zeros(3)  # no buffer: a plain attribute
+        self.register_buffer("total", torch.zeros(2, 3))
+
+    def forward(self, x):
+        self.acc.add_(x.sum(0))
+        self.total[0].add_(x.sum(0))  # a view: the buffer's counter, advanced once
+        return self.lin(x)
+
+
+def check_version_counters_of_every_written_tensor(device: str = "cpu") -> None:
+    """Each call advances the version counter of what it writes by as much as eager
+    does (once per in-place write), replayed or verified: a tensor on a plain object,
+    a module's plain tensor attribute, a buffer written through a view, batch norm's
+    count in training mode (the capture's own call included)."""
+    HELD_STATE.t = torch.zeros(3, device=device)
+
+    def hidden(x):
+        HELD_STATE.t.add_(x.sum(0))
+        return x * 2
+
+    model = Accumulates().to(device)
+    bn = nn.BatchNorm1d(3).to(device)
+    cases = [(autograph.graphed(hidden), lambda: [HELD_STATE.t], torch.no_grad),
+             (autograph.graphed(model), lambda: [model.acc, model.total], torch.no_grad),
+             (autograph.graphed(model, verify_every=1), lambda: [model.acc, model.total],
+              torch.no_grad),
+             (autograph.graphed(bn), lambda: [bn.num_batches_tracked], torch.enable_grad)]
+    expected = torch.zeros(3, device=device)  # model.acc: written once per call
+    for n, (g, tensors, mode) in enumerate(cases):
+        for _ in range(6):
+            x = torch.randn(4, 3, device=device)
+            before = [t._version for t in tensors()]
+            with mode():
+                g(x)
+            assert [t._version - v for t, v in zip(tensors(), before)] == [1] * len(before)
+            if n in (1, 2):  # (verified calls: the check's eager run writes no second time)
+                expected += x.sum(0)
+                torch.testing.assert_close(model.acc, expected)
+        assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+
+def test_version_counters_of_every_written_tensor():
+    check_version_counters_of_every_written_tensor()

@@ -20,6 +20,7 @@ from ..test_backward import (
     check_state_and_arguments_written_before_backward_raise,
     check_training_outputs_that_alias_keep_aliasing,
     check_version_counters_advance_as_in_eager,
+    check_version_counters_of_every_written_tensor,
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
@@ -175,3 +176,7 @@ def test_container_arguments_shared_nested_and_returned_twice():
 
 def test_flags_read_through_classes_and_globals():
     check_flags_read_through_classes_and_globals("cuda")
+
+
+def test_version_counters_of_every_written_tensor():
+    check_version_counters_of_every_written_tensor("cuda")

@@ -54,7 +54,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
-        "syncs",
+        "syncs", "assigned_once",
     )
 
     def __init__(self) -> None:
@@ -84,6 +84,9 @@ class Entry:
         self.shaped = False
         # container arguments each replay changes as the call did (containers.Sync)
         self.syncs: tuple[Any, ...] = ()
+        # a warmup found the call changing a global or class attribute it reads: once
+        # is a set-up (learned again), twice makes the key eager
+        self.assigned_once = False
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""

@@ -110,7 +110,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         if snap:
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
-            raise Uncapturable(EagerReason.ASSIGNS, _REF_ASSIGNED)
+            raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
         problem = None
     except Uncapturable as exc:
         # kept without its traceback: its frames (these locals hold the outputs, the
@@ -303,7 +303,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check_geometry(substituted, flat.tensor_pos, shapes)
     syncs = containers.changes(snap, out) if snap else ()
     if watch.refs_assigned(refs):
-        raise Uncapturable(EagerReason.ASSIGNS, _REF_ASSIGNED)
+        raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
     watch.steps.add(stepped.optimizers)
     effects = hosts.effects(out)
     written = {i for i in recorder.written if i >= 0}
@@ -330,7 +330,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     return captured
 
 
-_REF_ASSIGNED = "a global or class attribute that it reads"
+REF_ASSIGNED = "a global or class attribute that it reads"
 
 
 def _versions(tensors: list[torch.Tensor]) -> list[int | None]:

@@ -1640,6 +1640,22 @@ def check_a_forward_that_changes_a_name_it_reads(device: str = "cpu") -> None:
     assert CountsCalls.calls == before + 10
     s = autograph.stats(g)
     assert s["invalidations"] == 0 and s["eager_reasons"].get("assigns_attribute", 0) >= 8, s
+    lazy = autograph.graphed(lazily_scaled)  # a global set once, on the first call
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, device=device)
+            torch.testing.assert_close(lazy(x), x * 2)
+    assert autograph.stats(lazy)["replays"] >= 2, autograph.stats(lazy)
+
+
+LAZY_SCALE = None
+
+
+def lazily_scaled(x):
+    global LAZY_SCALE
+    if LAZY_SCALE is None:
+        LAZY_SCALE = 2.0
+    return x * LAZY_SCALE
 
 
 def test_a_forward_that_changes_a_name_it_reads(standin):

@@ -1410,6 +1410,7 @@ def check_version_counters_of_every_written_tensor(device: str = "cpu") -> None:
         return x * 2
 
     model = Accumulates().to(device)
+    model.acc = model.acc.to(device)  # a plain attribute: .to() leaves it
     bn = nn.BatchNorm1d(3).to(device)
     cases = [(autograph.graphed(hidden), lambda: [HELD_STATE.t], torch.no_grad),
              (autograph.graphed(model), lambda: [model.acc, model.total], torch.no_grad),

@@ -73,8 +73,11 @@ class OutputView(NamedTuple):
     position: int
     base: int
     geometry: tuple[tuple[int, ...], tuple[int, ...], int] | None
+    detached: bool = False  # (``h.detach()``: no gradient, the base's version counter)
 
     def of(self, base: torch.Tensor) -> torch.Tensor:
+        if self.detached:
+            base = base.detach()
         if self.geometry is None:
             return base
         size, stride, offset = self.geometry
@@ -98,16 +101,18 @@ def output_views(flat_out: list[Any], pooled: list[int]) -> tuple[list[int], lis
             bases.append(j)
     kept = [j for j in pooled if j not in found]
     index = {j: k for k, j in enumerate(kept)}
-    views = [OutputView(j, index[i], geometry) for j, (i, geometry) in found.items()]
+    views = [OutputView(j, index[i], geometry,
+                        flat_out[i].requires_grad and not flat_out[j].requires_grad)
+             for j, (i, geometry) in found.items()]
     return kept, views
 
 
 def _within(t: torch.Tensor, base: torch.Tensor) -> Any:
     """``t``'s geometry in a dense copy of ``base`` (None: ``t`` is ``base``), or False
     where ``t`` is no view inside ``base`` that such a copy can stand for."""
-    if t is base:
+    if t is base or (t.requires_grad != base.requires_grad and _same_geometry(t, base)):
         return None
-    if t.numel() == 0 or t.dtype != base.dtype or t.requires_grad != base.requires_grad \
+    if t.numel() == 0 or t.dtype != base.dtype or (t.requires_grad and not base.requires_grad) \
             or t.layout is not torch.strided or base.layout is not torch.strided \
             or t.is_conj() or base.is_conj() or t.is_neg() or base.is_neg() \
             or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() \
@@ -119,6 +124,12 @@ def _within(t: torch.Tensor, base: torch.Tensor) -> Any:
     if low < start or high >= start + base.numel():
         return False
     return tuple(t.shape), tuple(t.stride()), low - start
+
+
+def _same_geometry(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return t.shape == base.shape and t.stride() == base.stride() and \
+        t.storage_offset() == base.storage_offset() and t.dtype == base.dtype and \
+        t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
 class _Call:

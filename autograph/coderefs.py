@@ -76,21 +76,28 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
     attributes: set[str] | None = None
     for name in sorted(loads | stores):
         value = glb.get(name, MISSING)
-        if name in stores or _trackable(value):
+        if name in stores or _trackable(value) or _function(value):
             out.append((_global_getter(glb, name), value))
-        elif isinstance(value, type) and _user_class(value) and not issubclass(
-                value, enum.Enum) and not dataclasses.is_dataclass(value):  # constants
+        elif isinstance(value, type) and _user_class(value):
             if attributes is None:
                 attributes = _code_names(code)
+            # the name itself (rebound to another class), then the values it holds
+            out.append((_global_getter(glb, name), value))
             out += _class_values(value, attributes)
     for cell in (getattr(fn, "__closure__", None) or ()) if cells else ():
         try:
             value = cell.cell_contents
         except ValueError:  # empty cell
             continue
-        if _trackable(value):
+        if _trackable(value) or _function(value):
             out.append((_cell_getter(cell), value))
     return out
+
+
+def _function(value: Any) -> bool:
+    """A function the code calls by name (``ACT = torch.relu``, rebound to another)."""
+    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType,
+                              functools.partial))
 
 
 def _user_module(fn: Any) -> bool:
@@ -146,6 +153,25 @@ def class_refs(objects: Iterable[Any]) -> list[tuple[Callable[[], Any], Any]]:
     return out
 
 
+def forward_refs(objects: Iterable[Any], skip: Any = None
+                 ) -> list[tuple[Callable[[], Any], Any]]:
+    """:func:`code_refs` of the ``forward`` of each object's class (a submodule's
+    forward reading a global), each function once, but ``skip`` (the callable's own,
+    whose references are taken already).  torch's own classes are left out."""
+    seen = {id(_unwrapped(skip))} if skip is not None else set()
+    out: list[tuple[Callable[[], Any], Any]] = []
+    for cls in {type(obj): None for obj in objects}:
+        if not _user_class(cls):
+            continue
+        fn = inspect.getattr_static(cls, "forward", None)
+        fn = getattr(fn, "__func__", fn)
+        if not callable(fn) or id(_unwrapped(fn)) in seen:
+            continue
+        seen.add(id(_unwrapped(fn)))
+        out += code_refs(fn)
+    return out
+
+
 def _user_class(cls: type) -> bool:
     """A class of the user's (not torch's, not a builtin)."""
     return cls.__module__.partition(".")[0] not in ("torch", "builtins")
@@ -158,7 +184,8 @@ def _class_values(cls: type, names: Iterable[str]) -> list[tuple[Callable[[], An
         if name.startswith("__"):
             continue
         value = inspect.getattr_static(cls, name, MISSING)
-        if value is not MISSING and _plain(value):
+        if value is not MISSING and _plain(value) and not (  # an enum's members: constants
+                isinstance(value, enum.Enum) and isinstance(value, cls)):
             out.append((_class_getter(cls, name), value))
     return out
 
@@ -266,7 +293,26 @@ def _trackable(value: Any) -> bool:
 
 
 def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:
-    return lambda: glb.get(name, MISSING)
+    def get() -> Any:
+        return glb.get(name, MISSING)
+
+    get.where = (id(glb), name)  # type: ignore[attr-defined]
+    return get
+
+
+def new_refs(refs: list[tuple[Callable[[], Any], Any]],
+             known: list[tuple[Callable[[], Any], Any]]) -> list[tuple[Callable[[], Any], Any]]:
+    """``refs`` without the globals read already (by ``known`` or an earlier one of
+    ``refs``): several forwards name the same global."""
+    seen = {w for get, _ in known if (w := getattr(get, "where", None)) is not None}
+    out = []
+    for get, value in refs:
+        where = getattr(get, "where", None)
+        if where is None or where not in seen:
+            out.append((get, value))
+            if where is not None:
+                seen.add(where)
+    return out
 
 
 def _cell_getter(cell: Any) -> Callable[[], Any]:

@@ -53,6 +53,8 @@ from .coderefs import (
     class_refs,
     code_refs,
     config_dicts,
+    forward_refs,
+    new_refs,
     owner_refs,
     same,
 )
@@ -121,7 +123,8 @@ class Watch:
                 modules.setdefault(id(m), m)
         # class attributes the forwards read, before the owner's (the last ``_owned``)
         n = len(refs) - self._owned
-        refs[n:n] = class_refs(modules.values())
+        refs[n:n] = new_refs(class_refs(modules.values())
+                             + forward_refs(modules.values(), self._code), refs)
         holders, names = [], []
         for m in modules.values():
             for d in (m._parameters, m._buffers):

@@ -1433,3 +1433,35 @@ def check_version_counters_of_every_written_tensor(device: str = "cpu") -> None:
 
 def test_version_counters_of_every_written_tensor():
     check_version_counters_of_every_written_tensor()
+
+
+class ExpDetached(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = (x * self.w).exp()  # exp saves its output for its backward
+        return h, h.detach()
+
+
+def check_a_detached_output_aliases_its_base(device: str = "cpu") -> None:
+    """``return h, h.detach()`` in a training call: the two share memory and version
+    counter as eager's do, so a write through the detached one shows in the other and
+    makes its backward raise (exp saved its output)."""
+    model = ExpDetached().to(device)
+    g = autograph.graphed(model)
+    for _ in range(6):
+        a, b = g(torch.randn(4, device=device))
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        assert a.requires_grad and not b.requires_grad
+        with torch.no_grad():
+            b.mul_(3)
+        assert torch.equal(a.detach(), b)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            a.sum().backward()
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+
+def test_a_detached_output_aliases_its_base():
+    check_a_detached_output_aliases_its_base()

@@ -10,6 +10,7 @@ happened; where the call must run eagerly, that it did.  Reason strings are not 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import inspect
 import logging
@@ -1790,3 +1791,64 @@ def check_flags_read_through_classes_and_globals(device: str = "cpu") -> None:
 
 def test_flags_read_through_classes_and_globals(standin):
     check_flags_read_through_classes_and_globals()
+
+
+@dataclasses.dataclass
+class DataCfg:
+    scale: float = 2.0
+
+
+class PlainCfg:
+    flag = True
+
+
+class OtherCfg:
+    flag = False
+
+
+ACTIVATION = torch.relu
+SUB_SCALE = 2.0
+
+
+class ScaledSub(nn.Module):
+    def forward(self, x):
+        return x * SUB_SCALE  # a global read by a submodule's forward
+
+
+class UsesGlobals(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = ScaledSub()
+
+    def forward(self, x):
+        y = self.sub(ACTIVATION(x)) * DataCfg.scale
+        return y if PlainCfg.flag else -y
+
+
+def check_rebound_globals_are_seen(device: str = "cpu") -> None:
+    """Globals changed between calls are seen by replays as by eager: a global class
+    rebound to another, a dataclass's class-level value, a global function swapped,
+    a global read by a submodule's forward."""
+    global PlainCfg, ACTIVATION, SUB_SCALE
+    model = UsesGlobals()
+    g = autograph.graphed(model)
+    saved = (PlainCfg, ACTIVATION, SUB_SCALE, DataCfg.scale)
+    flips = [lambda: None, lambda: globals().__setitem__("PlainCfg", OtherCfg),
+             lambda: setattr(DataCfg, "scale", 5.0),
+             lambda: globals().__setitem__("ACTIVATION", torch.tanh),
+             lambda: globals().__setitem__("SUB_SCALE", 7.0)]
+    try:
+        with torch.no_grad():
+            for flip in flips:
+                flip()
+                for _ in range(4):
+                    x = torch.randn(3, device=device)
+                    torch.testing.assert_close(g(x), model.forward(x))
+    finally:
+        PlainCfg, ACTIVATION, SUB_SCALE, DataCfg.scale = saved
+    s = autograph.stats(g)
+    assert s["replays"] >= 5 and s["invalidations"] >= 4, s
+
+
+def test_rebound_globals_are_seen(standin):
+    check_rebound_globals_are_seen()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ..test_backward import (
+    check_a_detached_output_aliases_its_base,
     check_a_parameter_frozen_between_forward_and_backward,
     check_eager_steps_before_graphed_training,
     check_grad_enabled_inside_under_no_grad,
@@ -48,6 +49,7 @@ from ..test_usage import (
     check_container_arguments_shared_nested_and_returned_twice,
     check_flags_read_through_classes_and_globals,
     check_overlapping_outputs_keep_their_layout,
+    check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
 )
 
@@ -180,3 +182,11 @@ def test_flags_read_through_classes_and_globals():
 
 def test_version_counters_of_every_written_tensor():
     check_version_counters_of_every_written_tensor("cuda")
+
+
+def test_a_detached_output_aliases_its_base():
+    check_a_detached_output_aliases_its_base("cuda")
+
+
+def test_rebound_globals_are_seen():
+    check_rebound_globals_are_seen("cuda")

@@ -5,7 +5,9 @@ inference mode, the autocast dtype, and every flag that changes which kernels ru
 how they round: TF32 for matmuls and cuDNN (through the new ``fp32_precision`` API
 where torch has it, which also reflects the legacy flags and never raises on a mix of
 the two), reduced-precision reductions, fp16 accumulation, deterministic algorithms
-(global and cuDNN's) and the default dtype.  cuDNN's ``benchmark`` and ``enabled``
+(global and cuDNN's), the default dtype, the attention kernels
+``scaled_dot_product_attention`` may pick (``sdpa_kernel``) and ``nn.MultiheadAttention``'s
+fast path.  cuDNN's ``benchmark`` and ``enabled``
 change speed and rounding within tolerance, not results: they are not keyed.  All of it goes
 into the key, so flipping a flag selects another graph instead of replaying a stale one.
 """
@@ -72,6 +74,18 @@ _bf16_reduction = _read("_get_cublas_allow_bf16_reduced_precision_reduction")
 _fp16_accumulation = _read("_get_cublas_allow_fp16_accumulation")
 _cudnn_deterministic = _read("_get_cudnn_deterministic")
 _deterministic = _read("_get_deterministic_algorithms")
+# which attention kernels ``scaled_dot_product_attention`` may pick (``sdpa_kernel``,
+# ``torch.backends.cuda.enable_flash_sdp``): another kernel rounds otherwise, and one
+# not available raises in eager mode
+_flash = _read("_get_flash_sdp_enabled")
+_mem_efficient = _read("_get_mem_efficient_sdp_enabled")
+_math = _read("_get_math_sdp_enabled")
+_cudnn_sdp = _read("_get_cudnn_sdp_enabled")
+_mha: Any = getattr(torch.backends, "mha", None)  # ``set_fastpath_enabled``: another path
+
+
+def _fastpath() -> Any:
+    return getattr(_mha, "_is_fastpath_enabled", None)
 
 
 _top_saved_hooks: Any = getattr(getattr(_C, "_autograd", None),
@@ -89,7 +103,8 @@ def _cuda_modes() -> tuple[Any, ...]:
     autocast = _any_autocast() and _autocast("cuda") and _get_dtype("cuda")
     return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
             _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
-            _cudnn_deterministic(), _deterministic(), _default_dtype())
+            _cudnn_deterministic(), _deterministic(), _default_dtype(),
+            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _fastpath())
 
 
 def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
@@ -100,17 +115,21 @@ def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
     def other() -> tuple[Any, ...]:
         autocast = _any_autocast() and _autocast(kind) and _get_dtype(kind)
         return (_grad_enabled(), _inference_mode(), autocast, _cpu_matmul(), _deterministic(),
-                _default_dtype())
+                _default_dtype(), _flash(), _math(), _fastpath())
 
     return other
 
 
 # Names of the numerics flags that follow (grad, inference, autocast) in the tuple of
 # each device type, in its order, for messages.
+_SDPA_FLAGS = ("flash attention", "memory-efficient attention", "math attention",
+               "cuDNN attention")
 _CUDA_FLAGS = ("TF32 matmul", "TF32 conv", "TF32 rnn", "fp16 reduced-precision reduction",
                "bf16 reduced-precision reduction", "fp16 accumulation",
-               "cuDNN deterministic", "deterministic algorithms", "default dtype")
-_OTHER_FLAGS = ("CPU matmul precision", "deterministic algorithms", "default dtype")
+               "cuDNN deterministic", "deterministic algorithms", "default dtype",
+               *_SDPA_FLAGS, "MHA fast path")
+_OTHER_FLAGS = ("CPU matmul precision", "deterministic algorithms", "default dtype",
+                "flash attention", "math attention", "MHA fast path")
 
 
 def flag_names(kind: str) -> tuple[str, ...]:

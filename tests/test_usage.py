@@ -1852,3 +1852,41 @@ def check_rebound_globals_are_seen(device: str = "cpu") -> None:
 
 def test_rebound_globals_are_seen(standin):
     check_rebound_globals_are_seen()
+
+
+def check_attention_kernel_choices_are_keyed(device: str = "cpu") -> None:
+    """The attention kernels ``scaled_dot_product_attention`` may pick (``sdpa_kernel``)
+    and ``nn.MultiheadAttention``'s fast path select their own graphs: each call matches
+    eager under the choice in force, and a choice eager cannot run raises as in eager."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attend(q, k, v):
+        return nn.functional.scaled_dot_product_attention(q, k, v)
+
+    g = autograph.graphed(attend)
+    q, k, v = (torch.randn(1, 2, 8, 16, device=device) for _ in range(3))
+    with torch.no_grad():
+        for backends in ([SDPBackend.MATH], None, [SDPBackend.MATH]):
+            for _ in range(4):
+                if backends is None:
+                    torch.testing.assert_close(g(q, k, v), attend(q, k, v), rtol=0, atol=0)
+                    continue
+                with sdpa_kernel(backends):
+                    torch.testing.assert_close(g(q, k, v), attend(q, k, v), rtol=0, atol=0)
+    assert autograph.stats(g)["replays"] >= 4 and autograph.stats(g)["captures"] >= 2
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).to(device).eval()
+    h = autograph.graphed(layer)
+    x = torch.randn(2, 5, 16, device=device)
+    try:
+        with torch.inference_mode():
+            for fast in (True, False):
+                torch.backends.mha.set_fastpath_enabled(fast)
+                for _ in range(4):  # (the two paths differ in the last bits)
+                    torch.testing.assert_close(h(x), layer(x))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+    assert autograph.stats(h)["captures"] >= 2, autograph.stats(h)
+
+
+def test_attention_kernel_choices_are_keyed(standin):
+    check_attention_kernel_choices_are_keyed()

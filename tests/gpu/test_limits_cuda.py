@@ -44,6 +44,7 @@ from ..test_usage import (
     check_a_forward_that_changes_a_name_it_reads,
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
+    check_attention_kernel_choices_are_keyed,
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
     check_container_arguments_shared_nested_and_returned_twice,
@@ -190,3 +191,7 @@ def test_a_detached_output_aliases_its_base():
 
 def test_rebound_globals_are_seen():
     check_rebound_globals_are_seen("cuda")
+
+
+def test_attention_kernel_choices_are_keyed():
+    check_attention_kernel_choices_are_keyed("cuda")

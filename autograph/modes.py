@@ -15,7 +15,6 @@ into the key, so flipping a flag selects another graph instead of replaying a st
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -82,10 +81,11 @@ _flash = _read("_get_flash_sdp_enabled")
 _mem_efficient = _read("_get_mem_efficient_sdp_enabled")
 _math = _read("_get_math_sdp_enabled")
 _cudnn_sdp = _read("_get_cudnn_sdp_enabled")
-# ``torch.backends.mha.set_fastpath_enabled``: another path (read as an attribute)
-_mha: Any = getattr(torch.backends, "mha", None)
-if not hasattr(_mha, "_is_fastpath_enabled"):  # pragma: no cover - a torch without it
-    _mha = types.SimpleNamespace(_is_fastpath_enabled=None)
+_mha: Any = getattr(torch.backends, "mha", None)  # ``set_fastpath_enabled``: another path
+
+
+def _fastpath() -> Any:
+    return getattr(_mha, "_is_fastpath_enabled", None)
 
 
 _top_saved_hooks: Any = getattr(getattr(_C, "_autograd", None),
@@ -104,7 +104,7 @@ def _cuda_modes() -> tuple[Any, ...]:
     return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
             _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
             _cudnn_deterministic(), _deterministic(), _default_dtype(),
-            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _mha._is_fastpath_enabled)
+            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _fastpath())
 
 
 def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
@@ -115,7 +115,7 @@ def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
     def other() -> tuple[Any, ...]:
         autocast = _any_autocast() and _autocast(kind) and _get_dtype(kind)
         return (_grad_enabled(), _inference_mode(), autocast, _cpu_matmul(), _deterministic(),
-                _default_dtype(), _flash(), _math(), _mha._is_fastpath_enabled)
+                _default_dtype(), _flash(), _math(), _fastpath())
 
     return other
 

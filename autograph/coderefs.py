@@ -58,6 +58,8 @@ def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     current values; the globals it assigns, of any value (a replay would not assign
     them); and the plain values held by the classes it names as globals under an
     attribute name its code uses (``Cfg.flag``).  torch's own wrappers are skipped."""
+    if isinstance(fn, functools.partial):
+        return _partial_refs(fn)
     out: list[tuple[Callable[[], Any], Any]] = []
     inner = _unwrapped(fn)
     for f in _chain(fn):
@@ -65,7 +67,42 @@ def code_refs(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
         if code is None or (f is not inner and not _user_module(f)):
             continue
         out += _function_refs(f, code, cells=f is inner)  # a decorator's cells: its set-up
+    defaults = (*(getattr(inner, "__defaults__", None) or ()),
+                *(getattr(inner, "__kwdefaults__", None) or {}).values())
+    out += [_fixed(v) for v in defaults if isinstance(v, nn.Module)]  # watched as roots
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, type) and _user_class(owner):  # a classmethod: ``cls.flag``
+        out += _class_values(owner, _attribute_names(owner, _codes_of(fn)))
     return out
+
+
+def _partial_refs(fn: functools.partial[Any]) -> list[tuple[Callable[[], Any], Any]]:
+    """:func:`code_refs` of a ``functools.partial``: its function's, the modules it binds
+    (watched as roots: a weight replaced, ``eval()``), and the attributes its code reads
+    of the plain objects it binds (an instance, as a method's ``self``)."""
+    func = fn.func
+    out = code_refs(func)
+    bound = [*fn.args, *fn.keywords.values()]
+    owner = getattr(func, "__self__", None)
+    if owner is not None and not isinstance(owner, type):
+        bound.append(owner)
+    for value in bound:
+        if isinstance(value, nn.Module):
+            out.append(_fixed(value))
+        elif _plain_object(value):
+            out += owner_refs(value, func)
+    return out
+
+
+def _fixed(value: Any) -> tuple[Callable[[], Any], Any]:
+    """A reference that never changes (a module held by a partial or a default): the
+    watch takes its modules as roots."""
+    return (lambda: value), value
+
+
+def _plain_object(value: Any) -> bool:
+    return isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
+        value, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType))
 
 
 def _function_refs(fn: Any, code: types.CodeType, cells: bool = True

@@ -37,6 +37,10 @@ class _Dispatch:
         # underlying function, and a module's parameters are watched as for a forward
         self.bound = _bound_self(fn) is not None
         self.func: Callable[..., Any] = fn.__func__ if self.bound else fn  # type: ignore
+        # a partial over a bound method (``functools.partialmethod`` gives one) carries
+        # the instance as ``__self__``, so wrapt passes it, but the partial binds it
+        # already: it is called without it
+        self.prebound = not self.bound and getattr(fn, "__self__", None) is not None
         self.handle: Handle | None = None
         self.instances: dict[int, tuple[weakref.ref[Any], Handle]] = {}
         self.lock = threading.Lock()
@@ -79,6 +83,9 @@ class _Dispatch:
         def call(*args: Any, **kwargs: Any) -> Any:
             return fn(ref(), *args, **kwargs)
 
+        if self.prebound:
+            call = fn  # noqa: F811 - the partial binds the instance itself
+
         is_module = isinstance(instance, nn.Module)
 
         def roots() -> list[nn.Module]:
@@ -93,7 +100,8 @@ class _Dispatch:
         name = f"{type(instance).__qualname__}.{getattr(fn, '__name__', 'call')}"
         # a module's method: its forward, without the module's hooks; a plain object's:
         # its modules are called, hooks and all
-        handle = make_engine(call, self.options, name, roots, fn, not is_module, method=True,
+        handle = make_engine(call, self.options, name, roots, fn, not is_module,
+                             method=not self.prebound,
                              owner=None if is_module else ref)
         with self.lock:
             item = instances[key] = (ref, handle)

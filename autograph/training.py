@@ -13,6 +13,7 @@ outside the arguments and parameters) raises :class:`Uncapturable`.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -71,17 +72,21 @@ def _spying(fn: Callable[..., Any], found: list[str], inner: list[str]
     def call(*args: Any, **kwargs: Any) -> Any:
         original = torch.Tensor.register_hook
         backward, grad = torch.autograd.backward, torch.autograd.grad
+        me = threading.get_ident()  # the call's own thread: another's backward is not it
 
         def register_hook(self: torch.Tensor, hook: Any) -> Any:
-            found.append("the forward registers a hook on a tensor")
+            if threading.get_ident() == me:
+                found.append("the forward registers a hook on a tensor")
             return original(self, hook)
 
         def spied_backward(*a: Any, **k: Any) -> Any:
-            inner.append("backward")
+            if threading.get_ident() == me:
+                inner.append("backward")
             return backward(*a, **k)
 
         def spied_grad(*a: Any, **k: Any) -> Any:
-            inner.append("grad")
+            if threading.get_ident() == me:
+                inner.append("grad")
             return grad(*a, **k)
 
         torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]

@@ -1465,3 +1465,41 @@ def check_a_detached_output_aliases_its_base(device: str = "cpu") -> None:
 
 def test_a_detached_output_aliases_its_base():
     check_a_detached_output_aliases_its_base()
+
+
+def check_another_threads_backward_is_not_the_calls(device: str = "cpu") -> None:
+    """A training call's first warmup looks for a backward run inside the call; one run
+    meanwhile by another thread is not the call's, so the call is still graphed."""
+    import threading
+
+    other = nn.Linear(3, 3).to(device)
+    go, done = threading.Event(), threading.Event()
+
+    def worker():
+        go.wait(10)
+        other(torch.randn(2, 3, device=device)).sum().backward()
+        done.set()
+
+    class Signals(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if not go.is_set():  # the first call: another thread's backward meanwhile
+                go.set()
+                done.wait(10)
+            return self.lin(x)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    g = autograph.graphed(Signals().to(device))
+    for _ in range(6):
+        g(torch.randn(2, 3, device=device)).sum().backward()
+    thread.join()
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and not s["eager_reasons"].get("backward_unsupported"), s
+
+
+def test_another_threads_backward_is_not_the_calls():
+    check_another_threads_backward_is_not_the_calls()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
+import functools
 import inspect
 import logging
 import random
@@ -1890,3 +1891,65 @@ def check_attention_kernel_choices_are_keyed(device: str = "cpu") -> None:
 
 def test_attention_kernel_choices_are_keyed(standin):
     check_attention_kernel_choices_are_keyed()
+
+
+class Scaler:
+    scale = 3.0
+
+    @classmethod
+    def by_class(cls, x):
+        return x * cls.scale
+
+
+class PlainRunner:
+    def __init__(self):
+        self.k = 2.0
+
+    def run(self, x, scale):
+        return x * self.k * scale
+
+    prun = functools.partialmethod(run, scale=2.0)
+
+
+def apply_module(x, m):
+    return m(x)
+
+
+def check_state_bound_by_partials_defaults_and_classmethods(device: str = "cpu") -> None:
+    """What a graphed callable reaches through ``functools.partial`` (a module, an
+    object), a default argument holding a module, or a classmethod's ``cls`` is
+    watched: a weight replaced, ``eval()``, an attribute or class value changed are
+    seen as by eager; ``functools.partialmethod`` binds its instance once."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).to(device)
+    bn = nn.BatchNorm1d(3).to(device)
+
+    def with_default(x, m=lin):
+        return m(x)
+
+    runner = PlainRunner()
+    cases = [(functools.partial(apply_module, m=lin),
+              lambda: setattr(lin, "weight", nn.Parameter(torch.ones(3, 3, device=device)))),
+             (functools.partial(apply_module, m=bn), bn.eval),
+             (with_default, lambda: setattr(lin, "bias", None)),
+             (functools.partial(PlainRunner.run, runner, scale=1.0),
+              lambda: setattr(runner, "k", 5.0)),
+             (runner.prun, lambda: setattr(runner, "k", 7.0)),
+             (Scaler.by_class, lambda: setattr(Scaler, "scale", 4.0))]
+    try:
+        for fn, change in cases:
+            g = autograph.graphed(fn)
+            with torch.no_grad():
+                for step in range(8):
+                    if step == 5:
+                        change()
+                    x = torch.randn(4, 3, device=device)
+                    torch.testing.assert_close(g(x), fn(x))
+            s = autograph.stats(g)
+            assert s["replays"] >= 2, (fn, s["replays"], s["eager_reasons"])
+    finally:
+        Scaler.scale = 3.0
+
+
+def test_state_bound_by_partials_defaults_and_classmethods(standin):
+    check_state_bound_by_partials_defaults_and_classmethods()

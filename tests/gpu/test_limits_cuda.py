@@ -12,6 +12,7 @@ import torch
 from ..test_backward import (
     check_a_detached_output_aliases_its_base,
     check_a_parameter_frozen_between_forward_and_backward,
+    check_another_threads_backward_is_not_the_calls,
     check_eager_steps_before_graphed_training,
     check_grad_enabled_inside_under_no_grad,
     check_output_saved_for_backward_written_in_place_raises,
@@ -52,6 +53,7 @@ from ..test_usage import (
     check_overlapping_outputs_keep_their_layout,
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
+    check_state_bound_by_partials_defaults_and_classmethods,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -195,3 +197,11 @@ def test_rebound_globals_are_seen():
 
 def test_attention_kernel_choices_are_keyed():
     check_attention_kernel_choices_are_keyed("cuda")
+
+
+def test_state_bound_by_partials_defaults_and_classmethods():
+    check_state_bound_by_partials_defaults_and_classmethods("cuda")
+
+
+def test_another_threads_backward_is_not_the_calls():
+    check_another_threads_backward_is_not_the_calls("cuda")

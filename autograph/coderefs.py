@@ -231,13 +231,6 @@ def _static(cls: type, name: str) -> Any:
     return inspect.getattr_static(cls, name, None)
 
 
-def _code_of(attr: Any) -> types.CodeType | None:
-    """The code of a function, method, property or staticmethod found on a class (the
-    innermost, under decorators: see :func:`_codes_of` for all)."""
-    codes = _codes_of(attr)
-    return codes[-1] if codes else None
-
-
 def _codes_of(attr: Any) -> list[types.CodeType]:
     """The code of each function in the :func:`_chain` of a function, method, property
     or staticmethod found on a class."""

@@ -8,7 +8,6 @@ method's forward calls (the functions with the most own time), so that a differe
 """
 
 import argparse
-import copy
 import cProfile
 import pstats
 import statistics
@@ -16,9 +15,7 @@ import time
 
 import torch
 from torch import nn
-from train_phases import make  # tools/train_phases.py (tools run as scripts)
-
-from autograph.cli.bench_train import optimizer_for, policy
+from train_phases import setup  # tools/train_phases.py (tools run as scripts)
 
 METHODS = ("autograph", "autograph reuse", "make_graphed_callables")
 
@@ -33,21 +30,14 @@ def main():
     if not torch.cuda.is_available():
         print("train_forward: needs CUDA; nothing to measure here")
         return
-    torch.manual_seed(0)
-    base = policy().cuda()
-    x = torch.randn(a.batch, 64, device="cuda")
-    y = torch.randn(a.batch, 16, device="cuda")
-    forwards, opts = {}, {}
-    for method in METHODS:
-        model = copy.deepcopy(base)
-        forward = make(method, model, x)
-        opt, _ = optimizer_for(model.parameters())
+    x, y, made = setup(a.batch, METHODS)
+    forwards = {m: forward for m, (forward, _) in made.items()}
+    opts = {m: opt for m, (_, opt) in made.items()}
+    for forward, opt in made.values():
         for _ in range(10):  # warm up, capture, backward graphs
             opt.zero_grad(set_to_none=True)
             nn.functional.mse_loss(forward(x), y).backward()
             opt.step()
-        forwards[method] = forward
-        opts[method] = opt
     torch.cuda.synchronize()
     times = {m: [] for m in METHODS}
     for _ in range(a.rounds):

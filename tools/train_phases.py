@@ -31,6 +31,21 @@ def make(method, model, x):
     return torch.cuda.make_graphed_callables(model, (x.clone(),))
 
 
+def setup(batch, methods):
+    """``bench_train``'s policy on CUDA from seed 0, an input and a target of ``batch``
+    rows, and per method a graphed copy of the policy with its optimizer."""
+    torch.manual_seed(0)
+    base = policy().cuda()
+    x = torch.randn(batch, 64, device="cuda")
+    y = torch.randn(batch, 16, device="cuda")
+    made = {}
+    for method in methods:
+        model = copy.deepcopy(base)
+        opt, _ = optimizer_for(model.parameters())
+        made[method] = (make(method, model, x), opt)
+    return x, y, made
+
+
 def run_step(forward, opt, x, y, clock, times):
     t0 = clock()
     opt.zero_grad(set_to_none=True)
@@ -75,18 +90,10 @@ def main():
     if not torch.cuda.is_available():
         print("train_phases: needs CUDA; nothing to measure here")
         return
-    torch.manual_seed(0)
-    base = policy().cuda()
-    x = torch.randn(a.batch, 64, device="cuda")
-    y = torch.randn(a.batch, 16, device="cuda")
-    methods = {}
-    for name in ("autograph", "autograph reuse", "make_graphed_callables"):
-        model = copy.deepcopy(base)
-        opt, _ = optimizer_for(model.parameters())
-        forward = make(name, model, x)
+    x, y, methods = setup(a.batch, ("autograph", "autograph reuse", "make_graphed_callables"))
+    for forward, opt in methods.values():
         for _ in range(6):
             run_step(forward, opt, x, y, time.perf_counter, None)
-        methods[name] = (forward, opt)
     host = {name: {p: [] for p in PHASES} for name in methods}
     wall = {name: [] for name in methods}
     for _ in range(a.rounds):

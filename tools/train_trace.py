@@ -16,14 +16,11 @@ synchronizations that no operator names.
 """
 
 import argparse
-import copy
 
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
-from train_phases import make  # tools/train_phases.py (tools run as scripts)
-
-from autograph.cli.bench_train import optimizer_for, policy
+from train_phases import setup  # tools/train_phases.py (tools run as scripts)
 
 METHODS = ("autograph", "autograph reuse", "make_graphed_callables")
 
@@ -36,15 +33,9 @@ def main():
     ap.add_argument("--runtime", action="store_true", help="CUDA runtime calls per step")
     a = ap.parse_args()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.runtime else [])
-    torch.manual_seed(0)
-    base = policy().cuda()
-    x = torch.randn(a.batch, 64, device="cuda")
-    y = torch.randn(a.batch, 16, device="cuda")
+    x, y, made = setup(a.batch, METHODS)
     runs = {}
-    for method in METHODS:
-        model = copy.deepcopy(base)
-        forward = make(method, model, x)
-        opt, _ = optimizer_for(model.parameters())
+    for method, (forward, opt) in made.items():
 
         def step(forward=forward, opt=opt):
             opt.zero_grad(set_to_none=True)

@@ -1485,6 +1485,7 @@ def test_an_item_added_to_a_dict_argument_reaches_the_callers_dict(standin):
             features = {"tokens": torch.randn(2, 3, 4)}
             out = g(features)
             assert out is features and "pooled" in features
+    assert autograph.stats(g)["replays"] >= 1, autograph.stats(g)
 
 
 class Gate(nn.Module):

@@ -42,13 +42,14 @@ training:
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import torch
 from torch.utils import _pytree as pytree
 
-from . import gradgraph, recompute, replay
+from . import gradgraph, recompute, replay, versions
 from .capture import Backend, OnPool
 from .flat import size_leaf
 from .gradgraph import GradGraph, copy_all
@@ -57,8 +58,6 @@ from .stats import Stats
 from .vocab import EagerReason
 
 _HELD = replay.HELD
-_set_counters: Any = getattr(getattr(torch._C, "_autograd", None),
-                             "_unsafe_set_version_counter", None)
 _TOKEN = torch.empty(0)  # each call saves a new alias of it (cheaper than a new tensor)
 
 
@@ -251,7 +250,7 @@ class Trained(replay.Captured):
                     return _HELD
                 outs = _apply(self, leaves, flat_box, *inputs)
             if self.bump_after:  # after autograd saved what the Function saves
-                replay.bump_versions(self.bump_after)
+                versions.bump(self.bump_after)
             if self.single is not None:
                 return outs[0]
             flat = flat_box[0]
@@ -285,11 +284,10 @@ class Trained(replay.Captured):
         saving it changed, as in eager mode, and one written before saving unchanged."""
         before: list[torch.Tensor] = []
         after: list[torch.Tensor] = []
-        count: dict[int, tuple[torch.Tensor, int]] = {}
-        for t in self.bump_before:
-            count[id(t)] = (t, count.get(id(t), (t, 0))[1] + 1)
-        for key, (t, n) in count.items():
-            first = min(offsets.get(key, n), n)
+        counts = Counter(id(t) for t in self.bump_before)
+        for t in {id(t): t for t in self.bump_before}.values():
+            n = counts[id(t)]
+            first = min(offsets.get(id(t), n), n)
             before += [t] * first
             after += [t] * (n - first)
         # the capture's own call: its capture advanced every counter already, so none
@@ -297,12 +295,7 @@ class Trained(replay.Captured):
         # now and advanced again after the save, as for a later call
         self.bump_before, self.bump_after = [], after
         self.bumps_held = (before, after)
-        if after and _set_counters is not None:
-            taken: dict[int, list[Any]] = {}
-            for t in after:
-                taken.setdefault(id(t), [t, 0])[1] += 1
-            _set_counters(tuple(t for t, _ in taken.values()),
-                          tuple(t._version - n for t, n in taken.values()))
+        versions.take_back(after)
 
     def release_bumps(self) -> None:
         """After the capture's own call: later calls advance every counter (see
@@ -435,7 +428,7 @@ class _Replay(torch.autograd.Function):
         token = _TOKEN.detach()  # alive while this call's backward may still run
         call, outs = graph.replay_forward(leaves, box, weakref.ref(token))
         if graph.bump_before:  # the state the replay wrote, as the call's writes count
-            replay.bump_versions(graph.bump_before)
+            versions.bump(graph.bump_before)
         ctx.set_materialize_grads(False)  # unused outputs: None, not zeros
         ctx.graph = graph
         ctx.call = call

@@ -36,6 +36,7 @@ from .guards import Watch, running
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Bumps, Captured, use_count
 from .steps import Stepped
+from .versions import versions
 from .vocab import EagerReason, Uncapturable
 
 # Warmups and captures are serialized process-wide: capture must not interleave with
@@ -277,7 +278,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     # what replays bump (replay.Bumps): arguments written in place, state, and tensors
     # held as plain attributes of the watched modules
     counted = [leaves[i] for i in inplace] + state + watch.attribute_tensors()
-    versions = _versions(counted)
+    before = versions(counted)
 
     with call_scope(watch), hosts.constants(recorder):
         try:
@@ -323,7 +324,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     captured.footprint = needs
     captured.effects = effects
     captured.syncs = syncs
-    captured.bumps = _bumps(counted, versions, len(inplace), inplace)
+    captured.bumps = _bumps(counted, before, len(inplace), inplace)
     written_hidden = _hidden_bumps(recorder, {id(_root(t)) for t in counted})
     if written_hidden:
         captured.bumps = captured.bumps._replace(hidden=written_hidden)
@@ -331,17 +332,6 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 
 
 REF_ASSIGNED = "a global or class attribute that it reads"
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
-    """Each tensor's version counter (None: an inference tensor, which has none)."""
-    out: list[int | None] = []
-    for t in tensors:
-        try:
-            out.append(t._version)
-        except RuntimeError:
-            out.append(None)
-    return out
 
 
 def _hidden_bumps(recorder: Any, counted: set[int]) -> tuple[Any, ...]:
@@ -368,7 +358,7 @@ def _bumps(tensors: list[torch.Tensor], before: list[int | None], n_args: int,
     positions: list[int] = []
     state: list[torch.Tensor] = []
     counters: set[int] = set()  # a view and its base share one counter: bumped once
-    for k, (t, then, now) in enumerate(zip(tensors, before, _versions(tensors))):
+    for k, (t, then, now) in enumerate(zip(tensors, before, versions(tensors))):
         if then is None or now is None or now <= then:
             continue
         root = _root(t)

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import versions
 from .buffers import StaticInputs
 from .capture import Backend, Pool
 
@@ -293,15 +294,6 @@ def in_inference_mode(run: Callable[[Any], Any], captured: Captured) -> Callable
     return run_inference
 
 
-_increment_version: Any = getattr(torch._C, "_increment_version", None)
-
-
-def bump_versions(tensors: list[torch.Tensor]) -> None:
-    """Advance the version counters of ``tensors`` (one per entry)."""
-    if _increment_version is not None:
-        _increment_version(tensors)
-
-
 def versioned(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], Any]:
     """``run``, then the version counters of what the call wrote advanced as eager's
     in-place operators advance them (a replay writes memory behind autograd's back):
@@ -309,9 +301,9 @@ def versioned(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], 
     backward raise as in eager mode.  ``run`` itself where the call writes nothing
     counted (most calls)."""
     positions, state, hidden = captured.bumps
-    if not (positions or state or hidden) or _increment_version is None:
+    if not (positions or state or hidden) or versions.increment is None:
         return run
-    bump = _increment_version
+    bump = versions.increment
     fixed = list(state)
 
     def run_versioned(leaves: Any) -> Any:

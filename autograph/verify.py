@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .flat import Flat
+from .versions import set_versions, versions
 from .vocab import EagerReason, logger
 
 ENV_VAR = "AUTOGRAPH_VERIFY_EVERY"
@@ -88,9 +89,11 @@ def check(eager: Callable[[tuple[Any, ...], dict[str, Any]], Any], run: Callable
     before = _clones(leaves, flat.tensor_pos)
     state_before = [t.detach().clone() for t in state]
     counted = state + [leaves[i] for i in written]  # version counters: as one call's
-    versions = _versions(counted)
+    # version counters put back: a verified call advances them as one call does, not
+    # as its replay, restore and eager run together
+    before_versions = versions(counted)
     result = run(flat.leaves)
-    versions_graph = _versions(counted)
+    versions_graph = versions(counted)
     state_graph = [t.detach().clone() for t in state]
     _restore(state, state_before)
     copies = list(leaves)
@@ -103,13 +106,13 @@ def check(eager: Callable[[tuple[Any, ...], dict[str, Any]], Any], run: Callable
     for n, (now, graph) in enumerate(zip(state, state_graph)):
         problem = problem or _prefixed(f"state {n}", _tensor_difference(now, graph))
     if problem is None:
-        _set_versions(counted, versions_graph)  # the restore and the eager run: unseen
+        set_versions(counted, versions_graph)  # the restore and the eager run: unseen
         return result, None
     for i in written:  # undo what the replay wrote, then run eagerly for real
         with torch.no_grad():
             leaves[i].copy_(before[i])
     _restore(state, state_before)
-    _set_versions(counted, versions)
+    set_versions(counted, before_versions)
     return eager(*flat.call()), problem
 
 
@@ -138,22 +141,6 @@ def _written(captured: Any) -> list[torch.Tensor]:
     tensors.update((id(t), t) for t in captured.bumps.state)
     tensors.update((id(t), t) for r in captured.bumps.hidden if (t := r()) is not None)
     return list(tensors.values())
-
-
-_set_counters: Any = getattr(getattr(torch._C, "_autograd", None),
-                             "_unsafe_set_version_counter", None)
-
-
-def _versions(tensors: list[torch.Tensor]) -> list[int | None]:
-    return [None if t.is_inference() else t._version for t in tensors]
-
-
-def _set_versions(tensors: list[torch.Tensor], versions: list[int | None]) -> None:
-    """Put the version counters back (where this torch can): a verified call advances
-    them as one call does, not as its replay, restore and eager run together."""
-    pairs = [(t, v) for t, v in zip(tensors, versions) if v is not None]
-    if _set_counters is not None and pairs:
-        _set_counters(tuple(t for t, _ in pairs), tuple(v for _, v in pairs))
 
 
 def _restore(tensors: list[torch.Tensor], values: list[torch.Tensor]) -> None:

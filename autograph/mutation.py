@@ -27,10 +27,16 @@ def storage_ptr(t: torch.Tensor) -> int:
 
 
 # Operators that write arguments their schema does not mark as written (``Tensor?``
-# where ``Tensor(a!)?`` is meant): argument positions written when ``training`` is set.
+# where ``Tensor(a!)?`` is meant): argument positions written when ``training`` (the
+# sixth argument; ``use_input_stats`` for instance norm) is set.  A mode sees the
+# composite ``batch_norm`` and ``instance_norm`` themselves under inference mode, and
+# cuDNN's or MIOpen's kernels on those devices.
 _aten = torch.ops.aten
 UNDECLARED_WRITES: dict[Any, tuple[int, ...]] = {
-    _aten.native_batch_norm.default: (3, 4),
+    getattr(_aten, name).default: (3, 4)
+    for name in ("native_batch_norm", "batch_norm", "_batch_norm_impl_index",
+                 "instance_norm", "cudnn_batch_norm", "miopen_batch_norm")
+    if hasattr(_aten, name)
 }
 
 

@@ -1954,3 +1954,30 @@ def check_state_bound_by_partials_defaults_and_classmethods(device: str = "cpu")
 
 def test_state_bound_by_partials_defaults_and_classmethods(standin):
     check_state_bound_by_partials_defaults_and_classmethods()
+
+
+def check_running_statistics_written_under_inference_mode(device: str = "cpu") -> None:
+    """Batch and instance norm in training mode called under ``inference_mode`` (where a
+    mode sees the composite ``batch_norm``/``instance_norm``, whose schemas do not mark
+    the running statistics as written) and under ``no_grad``: the statistics follow
+    eager's call by call, and the calls replay."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8),
+                          nn.Unflatten(1, (2, 4)),
+                          nn.InstanceNorm1d(2, track_running_stats=True)).to(device).train()
+    eager = copy.deepcopy(model)
+    g = autograph.graphed(model)
+    for ctx in (torch.inference_mode, torch.no_grad):
+        for _ in range(6):
+            x = torch.randn(4, 8, device=device)
+            with ctx():
+                torch.testing.assert_close(g(x), eager(x))
+            for (name, got), want in zip(model.named_buffers(), eager.buffers()):
+                torch.testing.assert_close(got, want, msg=name)
+    assert autograph.stats(g)["replays"] >= 6, autograph.stats(g)
+
+
+def test_running_statistics_written_under_inference_mode(standin):
+    check_running_statistics_written_under_inference_mode()

@@ -53,6 +53,7 @@ from ..test_usage import (
     check_overlapping_outputs_keep_their_layout,
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
+    check_running_statistics_written_under_inference_mode,
     check_state_bound_by_partials_defaults_and_classmethods,
 )
 
@@ -205,3 +206,7 @@ def test_state_bound_by_partials_defaults_and_classmethods():
 
 def test_another_threads_backward_is_not_the_calls():
     check_another_threads_backward_is_not_the_calls("cuda")
+
+
+def test_running_statistics_written_under_inference_mode():
+    check_running_statistics_written_under_inference_mode("cuda")

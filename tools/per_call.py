@@ -1,6 +1,8 @@
 """Per-call microseconds of a tiny MLP (4x256, batch 1, under ``no_grad`` as ``bench``)
 for the autograph found on ``PYTHONPATH``, against a hand-written CUDA graph in the
-same process.
+same process.  Besides the difference of the medians it prints the median of the
+per-round differences ("paired": each round times every method back to back, so the
+host's drift between rounds cancels).
 
 Run it for two checkouts in turn to compare them on one machine (issue 11's "before and
 after"): each process prints one JSON line with the medians of rounds interleaved across
@@ -85,9 +87,14 @@ def main():
                 samples[name].append((time.perf_counter() - start) / len(inputs) * 1e6)
     medians = {name: round(statistics.median(s), 2) for name, s in samples.items()}
     replays = autograph.stats(methods["autograph"])["replays"]
+    pairs = {"autograph - hand": ("autograph", "hand"),
+             "reuse - make_graphed_callables": ("reuse", "make_graphed_callables")}
+    paired = {f"{label} (paired)": round(statistics.median(
+        a - b for a, b in zip(samples[x], samples[y])), 2)
+        for label, (x, y) in pairs.items() if x in samples}
     print(json.dumps({"label": args.label, **medians,
                       "autograph - hand": round(medians["autograph"] - medians["hand"], 2),
-                      "autograph replays": replays}), flush=True)
+                      **paired, "autograph replays": replays}), flush=True)
 
 
 if __name__ == "__main__":

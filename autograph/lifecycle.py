@@ -146,19 +146,30 @@ def requires_grad(out: Any) -> bool:
 
 def _geometry(leaves: Any, positions: tuple[int, ...]) -> list[tuple[Any, ...]]:
     """Each tensor argument's sizes, strides and address, to tell a call that resizes
-    or re-points one (``out=`` an empty tensor, ``resize_``, ``set_``, ``.data =``)."""
-    return [(leaves[i].shape, leaves[i].stride(), leaves[i].data_ptr()) for i in positions]
+    or re-points one (``out=`` an empty tensor, ``resize_``, ``set_``, ``.data =``), and
+    its Python attributes (``x.tag = ...``: a replay would not set them)."""
+    return [(leaves[i].shape, leaves[i].stride(), leaves[i].data_ptr(),
+             _attributes(leaves[i])) for i in positions]
+
+
+def _attributes(t: torch.Tensor) -> tuple[tuple[str, int], ...]:
+    """A tensor's Python attributes, by name and object identity."""
+    return tuple((k, id(v)) for k, v in t.__dict__.items())
 
 
 def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[Any, ...]]
                     ) -> None:
-    """Raise if the call resized or re-pointed a tensor argument: a graph keeps the
-    geometry and the address it captured (a later call's tensor would not be written)."""
+    """Raise if the call resized or re-pointed a tensor argument (a graph keeps the
+    geometry and the address it captured: a later call's tensor would not be written)
+    or set a Python attribute on one (a replay would not)."""
     for i, was in zip(positions, before):
         t = leaves[i]
-        if (t.shape, t.stride(), t.data_ptr()) != was:
+        if (t.shape, t.stride(), t.data_ptr()) != was[:3]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call resizes or re-points tensor "
                                f"argument {i} (out=, resize_, set_)")
+        if _attributes(t) != was[3]:
+            raise Uncapturable(EagerReason.ASSIGNS, f"the call sets a Python attribute of "
+                               f"tensor argument {i}")
 
 
 def _has_history(out: Any) -> bool:

@@ -1981,3 +1981,23 @@ def check_running_statistics_written_under_inference_mode(device: str = "cpu") -
 
 def test_running_statistics_written_under_inference_mode(standin):
     check_running_statistics_written_under_inference_mode()
+
+
+def check_python_attributes_set_on_tensor_arguments(device: str = "cpu") -> None:
+    """A call that sets a Python attribute on a tensor argument (``x.tag = ...``) runs
+    eagerly: a replay would not set it on the next call's tensor."""
+
+    def tag(x):
+        x.tag = "seen"
+        return x * 2
+
+    g = autograph.graphed(tag)
+    for _ in range(5):
+        x = torch.randn(3, device=device)
+        torch.testing.assert_close(g(x), x * 2)
+        assert getattr(x, "tag", None) == "seen"
+    assert autograph.stats(g)["eager_reasons"].get("assigns_attribute"), autograph.stats(g)
+
+
+def test_python_attributes_set_on_tensor_arguments(standin):
+    check_python_attributes_set_on_tensor_arguments()

@@ -51,6 +51,7 @@ from ..test_usage import (
     check_container_arguments_shared_nested_and_returned_twice,
     check_flags_read_through_classes_and_globals,
     check_overlapping_outputs_keep_their_layout,
+    check_python_attributes_set_on_tensor_arguments,
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
     check_running_statistics_written_under_inference_mode,
@@ -210,3 +211,7 @@ def test_another_threads_backward_is_not_the_calls():
 
 def test_running_statistics_written_under_inference_mode():
     check_running_statistics_written_under_inference_mode("cuda")
+
+
+def test_python_attributes_set_on_tensor_arguments():
+    check_python_attributes_set_on_tensor_arguments("cuda")

@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 from . import gradgraph, recompute, replay, versions
 from .capture import Backend, OnPool
 from .flat import size_leaf
-from .gradgraph import GradGraph, copy_all
+from .gradgraph import copy_all
 from .guards import Watch
 from .stats import Stats
 from .vocab import EagerReason
@@ -147,8 +147,8 @@ class Trained(replay.Captured):
 
     __slots__ = ("watch", "stats", "spec", "leaf", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
-                 "spill_set", "owner", "held_reason", "want_backward", "backward_graph",
-                 "spare", "spare_due", "single", "recompute", "unsupported", "reached",
+                 "spill_set", "owner", "held_reason", "want_backward", "backwards", "single",
+                 "recompute", "unsupported",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
                  "bump_after", "views", "bumps_held")
 
@@ -200,12 +200,12 @@ class Trained(replay.Captured):
         self.spill_set = spill_set  # None: unknown, a pending call holds the graph
         self.owner: _Call | None = None  # the call whose state the spill set holds
         self.held_reason: tuple[EagerReason, str] | None = None
-        self.want_backward = False  # capture the next backward graph at the next call
-        self.backward_graph: GradGraph | None = None  # hands out its gradients
-        self.spare: GradGraph | None = None  # copies them out: when the first is held
-        # whether a backward finding the first one's gradients held may ask for the
-        # spare (want_backward: captured at the next call); until it is tried once
-        self.spare_due: Callable[[], bool] | None = None
+        # the backward graphs per set of differentiable outputs a backward used (their
+        # indexes in ``diff``; at most MAX_OUTPUT_SETS sets, the others run eagerly)
+        self.backwards: dict[tuple[int, ...], gradgraph.Backwards] = {}
+        # the set whose next graph the next call captures (set by a backward that ran
+        # eagerly, see ``replay_backward``)
+        self.want_backward: gradgraph.Backwards | None = None
         # a backward graph's capture failed: its pool may be left recording, so no other
         # is captured into it (backwards run the autograd graph eagerly from then on)
         self.capture_failed = False
@@ -222,8 +222,6 @@ class Trained(replay.Captured):
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
         # why every later call runs eagerly (recompute.DIFFERENTIATED), once it does
         self.unsupported: tuple[EagerReason, str] | None = None
-        # per differentiable output, the targets it reaches (gradgraph.reach), once needed
-        self.reached: list[frozenset[int]] | None = None
 
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
@@ -237,7 +235,7 @@ class Trained(replay.Captured):
         def run(leaves: Any) -> Any:
             if [t.requires_grad for t in state] != flags_list or self.unsupported:
                 return self._hold()
-            if self.want_backward:  # set by a backward that ran eagerly (replay_backward)
+            if self.want_backward is not None:  # by a backward run eagerly (_backward)
                 gradgraph.capture_next(self)
             inputs = [leaves[i] for i in sources] + inputs_state if sources \
                 else inputs_state
@@ -386,37 +384,42 @@ class Trained(replay.Captured):
                         ) -> list[torch.Tensor | None]:
         """The gradients of the targets for ``call``: the hand-out backward graph's,
         the spare's while an earlier call's gradients are held, else (no graph
-        captured yet) those of the captured autograd graph, run eagerly."""
+        captured yet, or one for other outputs) those of the captured autograd graph,
+        run eagerly.  Outputs the loss does not use (autograd passes None) take no part,
+        as in eager mode: a zero gradient through their branch could make NaN (a
+        ``sqrt`` at 0) and give targets only they reach a gradient."""
         wanted = [grads[k] for k in self.diff]
-        unreached: set[int] = set()
-        if any(g is None for g in wanted):  # outputs the loss does not use
-            if self.reached is None:
-                self.reached = gradgraph.reach(self.static_diff, self.targets)
-            wanted, unreached = gradgraph.without_gradient(wanted, self.static_diff,
-                                                           self.reached, len(self.targets))
-        out = self._backward(call, wanted)
-        for i in unreached:  # as in eager mode: no gradient, not a zero one
-            out[i] = None
-        return out
+        used = tuple(k for k, g in enumerate(wanted) if g is not None)
+        if len(used) < len(wanted):
+            wanted = [wanted[k] for k in used]
+        return self._backward(call, wanted, used)
 
-    def _backward(self, call: _Call, wanted: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _backward(self, call: _Call, wanted: list[torch.Tensor], used: tuple[int, ...]
+                  ) -> list[torch.Tensor | None]:
         with self.pool.lock:
             self._own(call)
-            graph = self.backward_graph
+            mine = self.backwards.get(used)
+            if mine is None and len(self.backwards) < MAX_OUTPUT_SETS:
+                mine = self.backwards[used] = gradgraph.Backwards(used)
+            graph = mine.graph if mine is not None else None
             if graph is not None and graph.holders and graph.held():
-                graph = self.spare
-            if graph is None:  # captured at the next call (outside the autograd engine)
-                self.want_backward = not self.capture_failed and (
-                    self.backward_graph is None or self.spare_due is not None)
+                graph = mine.spare  # type: ignore[union-attr]
+            if graph is None:  # the graph is captured at the next call (outside autograd)
+                if mine is not None and mine.due() and not self.capture_failed:
+                    self.want_backward = mine
                 if self.stats is not None:
                     self.stats.backward_eager += 1
-                return gradgraph.grad_of(self.static_diff, self.targets, wanted,
-                                         retain_graph=True)
+                outs = self.static_diff if len(used) == len(self.static_diff) \
+                    else [self.static_diff[k] for k in used]
+                return gradgraph.grad_of(outs, self.targets, wanted, retain_graph=True)
             self.backend.order_replay(self.device, self.pool)
             out = graph.run(wanted)
         if self.stats is not None:
             self.stats.backward_replays += 1
         return out
+
+
+MAX_OUTPUT_SETS = 4  # sets of used outputs with backward graphs, per training graph
 
 
 class _Replay(torch.autograd.Function):

@@ -163,53 +163,45 @@ def nodes(outs: list[torch.Tensor]) -> Iterator[Any]:
         stack.extend(nxt for nxt, _ in node.next_functions)
 
 
-def reach(outs: list[torch.Tensor], targets: list[torch.Tensor]) -> list[frozenset[int]]:
-    """Per output, the indexes of the targets its autograd graph reaches (through the
-    targets' ``AccumulateGrad`` nodes, or the output being a target itself)."""
-    index = {id(t): i for i, t in enumerate(targets)}
-    found: list[frozenset[int]] = []
-    for out in outs:
-        hit = {index[id(out)]} if out.grad_fn is None and id(out) in index else set()
-        for node in nodes([out]):
-            variable = getattr(node, "variable", None)  # an AccumulateGrad's leaf
-            if variable is not None and id(variable) in index:
-                hit.add(index[id(variable)])
-        found.append(frozenset(hit))
-    return found
+class Backwards:
+    """The backward graphs of one training graph for one set of used outputs (a loss
+    that uses some outputs takes the gradients of those only, as eager's backward
+    does): the hand-out graph, captured at the call after the set's first backward,
+    and the spare, at the call after a backward that found the first one's gradients
+    held (as ``.grad`` when accumulating over micro-batches)."""
 
+    __slots__ = ("used", "graph", "spare", "spare_due")
 
-def without_gradient(wanted: list[Any], outs: list[torch.Tensor],
-                     reached: list[frozenset[int]], n_targets: int
-                     ) -> tuple[list[torch.Tensor], set[int]]:
-    """For a backward in which some outputs got no gradient (the loss does not use
-    them; autograd passes None): zeros in their place, and the targets that only those
-    outputs reach, whose gradients stay None as they do in eager mode."""
-    used: set[int] = set()
-    for k, grad in enumerate(wanted):
-        if grad is not None:
-            used |= reached[k]
-    filled = [torch.zeros_like(out) if grad is None else grad
-              for grad, out in zip(wanted, outs)]
-    return filled, set(range(n_targets)) - used
+    def __init__(self, used: tuple[int, ...]) -> None:
+        self.used = used  # indexes of the training graph's differentiable outputs
+        self.graph: GradGraph | None = None
+        self.spare: GradGraph | None = None
+        # whether a backward finding the first graph's gradients held may ask for the
+        # spare; until it is tried once
+        self.spare_due: Callable[[], bool] | None = None
 
+    def due(self) -> bool:
+        """Whether a graph of this set is still to be captured."""
+        return self.graph is None or self.spare_due is not None
 
 
 def capture_next(trained: Any) -> None:
-    """Capture a training graph's (``backward.Trained``) backward graph, at the call
-    after its first backward, or the spare, at the call after a backward that found
-    the first one's gradients held (as ``.grad`` when accumulating over
-    micro-batches).  Forward calls do not look for held gradients themselves: that
-    would cost every call a use-count pass."""
+    """Capture the backward graph a training graph's (``backward.Trained``) last
+    backward asked for (``want_backward``: its set of used outputs).  Forward calls do
+    not look for held gradients themselves: that would cost every call a use-count
+    pass."""
     with lifecycle.CAPTURE_LOCK:
-        first = trained.backward_graph is None
-        if not (trained.want_backward if first else trained.spare_due is not None):
+        wanted: Backwards | None = trained.want_backward
+        trained.want_backward = None
+        if wanted is None or not wanted.due():
             return  # captured by another thread, or the spare already tried
-        trained.want_backward = False
-        trained.spare_due = None  # one try
+        first = wanted.graph is None
+        wanted.spare_due = None  # one try
         try:
             with lifecycle.nested_block():
-                graph = capture(trained.backend, trained.device, trained.static_diff,
-                                trained.targets, handout=first)
+                outs = [trained.static_diff[k] for k in wanted.used]
+                graph = capture(trained.backend, trained.device, outs, trained.targets,
+                                handout=first)
         except lifecycle.CAPTURE_ERRORS as exc:
             trained.capture_failed = True  # never again into this pool (see Trained)
             name = trained.stats.name if trained.stats is not None else "autograph"
@@ -218,9 +210,9 @@ def capture_next(trained: Any) -> None:
                            "eagerly", name, lifecycle._first_line(exc))
             return
         if first:
-            trained.backward_graph = graph
-            trained.spare_due = graph.held if graph.handout else None
+            wanted.graph = graph
+            wanted.spare_due = graph.held if graph.handout else None
         else:
-            trained.spare = graph
+            wanted.spare = graph
         if trained.stats is not None:
             trained.stats.backward_captures += 1

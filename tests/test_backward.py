@@ -647,7 +647,7 @@ def test_gradients_are_handed_out_without_copies_and_kept_ones_stay_intact():
             assert torch.equal(a.grad, b.grad)
     s = autograph.stats(g)
     assert s["backward_captures"] == 1 and s["backward_replays"] == 3
-    bufs = {t.data_ptr() for t in _trained(g).backward_graph.grad_out}
+    bufs = {t.data_ptr() for t in next(iter(_trained(g).backwards.values())).graph.grad_out}
     assert {p.grad.data_ptr() for p in model.parameters()} == bufs  # adopted, not copied
     kept = [p.grad for p in model.parameters()]
     want = [t.clone() for t in kept]
@@ -1503,3 +1503,49 @@ def check_another_threads_backward_is_not_the_calls(device: str = "cpu") -> None
 
 def test_another_threads_backward_is_not_the_calls():
     check_another_threads_backward_is_not_the_calls()
+
+
+class _HeadAndNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 4, bias=False)
+        self.head = nn.Linear(4, 2)
+        self.side = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.l(x)
+        # a norm for logging: its derivative is infinite at a zero row; ``side`` is
+        # reached by this output only
+        return self.head(h), (h * h).sum(-1).sqrt() + self.side(x).squeeze(-1)
+
+
+def check_unused_outputs_take_no_part_in_backward(device: str = "cpu") -> None:
+    """Outputs the loss does not use get no gradient and their branches no backward,
+    as in eager mode: a zero gradient through a ``sqrt`` at 0 made NaN gradients, and
+    a parameter only they reach keeps ``.grad`` None.  A backward using every output
+    afterwards still gets its gradients (eagerly: the graphs are for the first set)."""
+    torch.manual_seed(0)
+    eager = _HeadAndNorm().to(device)
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model)
+    padded = torch.randn(8, 4, device=device)
+    padded[-1] = 0  # a zero row
+    for step in range(9):
+        both = step >= 6
+        x = torch.randn(8, 4, device=device) if both else padded
+        for m, call in ((eager, eager), (model, g)):
+            m.zero_grad(set_to_none=True)
+            logits, norm = call(x)
+            loss = logits.pow(2).mean() + (norm.sum() if both else 0)
+            loss.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            if q.grad is None:
+                assert p.grad is None, name
+            else:
+                torch.testing.assert_close(p.grad, q.grad, msg=name)
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["backward_replays"] >= 3, s
+
+
+def test_unused_outputs_take_no_part_in_backward():
+    check_unused_outputs_take_no_part_in_backward()

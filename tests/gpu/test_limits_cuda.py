@@ -21,6 +21,7 @@ from ..test_backward import (
     check_sparse_gradients_train_as_eager,
     check_state_and_arguments_written_before_backward_raise,
     check_training_outputs_that_alias_keep_aliasing,
+    check_unused_outputs_take_no_part_in_backward,
     check_version_counters_advance_as_in_eager,
     check_version_counters_of_every_written_tensor,
 )
@@ -215,3 +216,7 @@ def test_running_statistics_written_under_inference_mode():
 
 def test_python_attributes_set_on_tensor_arguments():
     check_python_attributes_set_on_tensor_arguments("cuda")
+
+
+def test_unused_outputs_take_no_part_in_backward():
+    check_unused_outputs_take_no_part_in_backward("cuda")

@@ -392,14 +392,15 @@ class Trained(replay.Captured):
         used = tuple(k for k, g in enumerate(wanted) if g is not None)
         if len(used) < len(wanted):
             wanted = [wanted[k] for k in used]
-        return self._backward(call, wanted, used)
+        # gradients batched by a torch.func transform: a graph cannot take them
+        return self._backward(call, wanted, used, eager=_functorch_active())
 
-    def _backward(self, call: _Call, wanted: list[torch.Tensor], used: tuple[int, ...]
-                  ) -> list[torch.Tensor | None]:
+    def _backward(self, call: _Call, wanted: list[torch.Tensor], used: tuple[int, ...],
+                  eager: bool = False) -> list[torch.Tensor | None]:
         with self.pool.lock:
             self._own(call)
-            mine = self.backwards.get(used)
-            if mine is None and len(self.backwards) < MAX_OUTPUT_SETS:
+            mine = self.backwards.get(used) if not eager else None
+            if mine is None and len(self.backwards) < MAX_OUTPUT_SETS and not eager:
                 mine = self.backwards[used] = gradgraph.Backwards(used)
             graph = mine.graph if mine is not None else None
             if graph is not None and graph.holders and graph.held():
@@ -407,16 +408,18 @@ class Trained(replay.Captured):
             if graph is None:  # the graph is captured at the next call (outside autograd)
                 if mine is not None and mine.due() and not self.capture_failed:
                     self.want_backward = mine
-                if self.stats is not None:
-                    self.stats.backward_eager += 1
-                outs = self.static_diff if len(used) == len(self.static_diff) \
-                    else [self.static_diff[k] for k in used]
-                return gradgraph.grad_of(outs, self.targets, wanted, retain_graph=True)
-            self.backend.order_replay(self.device, self.pool)
-            out = graph.run(wanted)
-        if self.stats is not None:
-            self.stats.backward_replays += 1
-        return out
+            else:
+                self.backend.order_replay(self.device, self.pool)
+                out = graph.run(wanted)
+                if out is not None:
+                    if self.stats is not None:
+                        self.stats.backward_replays += 1
+                    return out
+            if self.stats is not None:
+                self.stats.backward_eager += 1
+            outs = self.static_diff if len(used) == len(self.static_diff) \
+                else [self.static_diff[k] for k in used]
+            return gradgraph.grad_of(outs, self.targets, wanted, retain_graph=True)
 
 
 MAX_OUTPUT_SETS = 4  # sets of used outputs with backward graphs, per training graph

@@ -107,9 +107,14 @@ class GradGraph:
         """Whether a replay would overwrite a gradient handed out earlier and still held."""
         return any(map(_lt, self.counts, map(use_count, self.holders)))  # type: ignore
 
-    def run(self, wanted: list[Any]) -> list[torch.Tensor | None]:
-        """Copy the output gradients in, replay, hand out the targets' gradients."""
-        copy_all(self.grad_in, wanted)
+    def run(self, wanted: list[Any]) -> list[torch.Tensor | None] | None:
+        """Copy the output gradients in, replay, hand out the targets' gradients; None
+        where the gradients cannot be copied in (batched by the legacy vmap of
+        ``torch.autograd.grad(..., is_grads_batched=True)``: eagerly, then)."""
+        try:
+            copy_all(self.grad_in, wanted)
+        except RuntimeError:
+            return None
         self.graph.replay()
         if self.handout:  # new aliases: AccumulateGrad adopts an alias nothing else holds
             return [None if g is None else g.detach() for g in self.grad_out]

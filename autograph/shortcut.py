@@ -53,8 +53,15 @@ MISS: Any = object()  # what a shortcut returns when the full path must run the 
 _nesting = lifecycle.nested_block
 _is_nested = lifecycle.is_nested
 _profiling: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
-_functorch_active: Callable[[], bool] = getattr(
+_functorch: Callable[[], bool] = getattr(
     torch._C, "_are_functorch_transforms_active", lambda: False)
+_fwad = torch.autograd.forward_ad
+
+
+def _functorch_active() -> bool:
+    """Whether a torch.func transform or a forward-mode AD level (``dual_level``) is
+    active: a graph would drop the transform's wrappers or the tangents."""
+    return _functorch() or _fwad._current_level >= 0
 _HELD = replay.HELD
 
 
@@ -92,12 +99,14 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
     watch, cache, counts = engine.watch, engine.cache, engine.stats
     ok, capturing = watch.ok, engine._device[2]
     switch, env_set, nesting, is_nested = _switch, _switch.env_set, _nesting, _is_nested
-    profiling, functorch, held, observed = _profiling, _functorch_active, _HELD, _counting
+    profiling, functorch, held, observed = _profiling, _functorch, _HELD, _counting
+    fwad = _fwad
 
     def shortcut(args: tuple[Any, ...]) -> Any:
         if (switch._active or env_set() or entry.run is not run
                 or watch.hook_reason is not None
                 or (nesting.active and is_nested()) or functorch() or profiling()
+                or fwad._current_level >= 0
                 or not ok() or read_modes() != expected_modes
                 or training() != expected_training or capturing()
                 or cache.inplace or cache.pinning

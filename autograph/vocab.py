@@ -129,7 +129,8 @@ class Uncapturable(Exception):
 
 
 # details of eager reasons the engine gives (dispatch.py)
-IN_TRANSFORM = "called inside a torch.func transform (vmap, grad, jacrev, functionalize)"
+IN_TRANSFORM = ("called inside a torch.func transform (vmap, grad, jacrev, functionalize) "
+                "or a forward-mode AD level (dual_level)")
 INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.inference_mode)"
 SAVED_HOOKS = ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks, "
                "save_on_cpu): a graph would save its tensors without them")

@@ -1549,3 +1549,36 @@ def check_unused_outputs_take_no_part_in_backward(device: str = "cpu") -> None:
 
 def test_unused_outputs_take_no_part_in_backward():
     check_unused_outputs_take_no_part_in_backward()
+
+
+def check_forward_ad_and_batched_gradients(device: str = "cpu") -> None:
+    """Forward-mode AD (``dual_level``) runs eagerly with its tangents, replays after
+    it; gradients batched by vmap (``is_grads_batched=True``) take the captured
+    autograd graph eagerly instead of failing to be copied into a backward graph."""
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    lin = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(device)
+    g = autograph.graphed(copy.deepcopy(lin))
+    x, t = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device)
+    for _ in range(4):
+        with fwad.dual_level():
+            got = fwad.unpack_dual(g(fwad.make_dual(x, t))).tangent
+            want = fwad.unpack_dual(lin(fwad.make_dual(x, t))).tangent
+        torch.testing.assert_close(got, want)
+        with torch.no_grad():
+            torch.testing.assert_close(g(x), lin(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 1 and s["eager_reasons"].get("unkeyable_argument") == 4, s
+    eye = torch.eye(6, device=device).view(6, 2, 3)
+    for _ in range(5):
+        x = torch.randn(2, 4, device=device, requires_grad=True)
+        (want,) = torch.autograd.grad(lin(x), x, eye, is_grads_batched=True)
+        (got,) = torch.autograd.grad(g(x), x, eye, is_grads_batched=True)
+        torch.testing.assert_close(got, want)
+    s = autograph.stats(g)
+    assert s["backward_captures"] >= 1 and s["backward_eager"] >= 3, s
+
+
+def test_forward_ad_and_batched_gradients():
+    check_forward_ad_and_batched_gradients()

@@ -14,6 +14,7 @@ from ..test_backward import (
     check_a_parameter_frozen_between_forward_and_backward,
     check_another_threads_backward_is_not_the_calls,
     check_eager_steps_before_graphed_training,
+    check_forward_ad_and_batched_gradients,
     check_grad_enabled_inside_under_no_grad,
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
@@ -220,3 +221,7 @@ def test_python_attributes_set_on_tensor_arguments():
 
 def test_unused_outputs_take_no_part_in_backward():
     check_unused_outputs_take_no_part_in_backward("cuda")
+
+
+def test_forward_ad_and_batched_gradients():
+    check_forward_ad_and_batched_gradients("cuda")

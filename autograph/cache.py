@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .flat import Flat
 from .keys import GraphKey, sharing
 from .mutation import storage_ptr
@@ -140,7 +142,7 @@ class GraphCache:
         if not positions:
             return key
         leaves = flat.leaves
-        addressed = key._replace(written=tuple([leaves[i].data_ptr() for i in positions]))
+        addressed = key._replace(written=tuple([_address(leaves[i]) for i in positions]))
         if memo is not None and len(memo) < 16:  # per slot: its keys, by what is written
             memo[key] = (written, addressed, positions)
         return addressed
@@ -296,3 +298,12 @@ def _sharing(flat: Flat, positions: set[int]) -> set[int]:
     storages = {storage_ptr(leaves[i]) for i in positions if leaves[i].numel()}
     return positions | {i for i in flat.tensor_pos
                         if leaves[i].numel() and storage_ptr(leaves[i]) in storages}
+
+
+def _address(t: torch.Tensor) -> Any:
+    """A tensor captured in place, by address, with its conjugate and negative bits
+    where set: a graph writing ``c`` would write ``c.conj()`` (same address, strides
+    and dtype) with the wrong sign."""
+    if t.is_conj() or t.is_neg():
+        return (t.data_ptr(), t.is_conj(), t.is_neg())
+    return t.data_ptr()

@@ -84,7 +84,7 @@ class GraphKey(NamedTuple):
     aliases: tuple[Any, ...]
     modes: tuple[Any, ...]
     training: bool | None
-    written: tuple[int, ...] = ()
+    written: tuple[Any, ...] = ()  # addresses (with conjugate and negative bits)
 
     def base(self) -> GraphKey:
         """The key without the addresses of arguments written in place."""

@@ -383,6 +383,36 @@ def test_conjugate_and_negative_views_keep_their_bits(standin):
     check_conjugate_and_negative_views()
 
 
+def check_written_conjugate_and_negative_views(device="cpu"):
+    """An argument written in place, passed now as itself and now as a conjugate or
+    negative view of the same memory (same address, strides and dtype): each is its
+    own graph, so the write has eager's sign."""
+
+    def accumulate(c, x):
+        c.add_(x)
+        return c.abs()
+
+    g = autograph.graphed(accumulate)
+    c, mine = (torch.zeros(3, dtype=torch.complex64, device=device) for _ in range(2))
+    x = torch.full((3,), 1j, dtype=torch.complex64, device=device)
+    with torch.no_grad():
+        for view in (lambda t: t, lambda t: t.conj(), lambda t: t):
+            for _ in range(4):
+                torch.testing.assert_close(g(view(c), x), accumulate(view(mine), x))
+                torch.testing.assert_close(c, mine)
+        r, mine_r = (torch.zeros(3, device=device) for _ in range(2))
+        z, mine_z = (torch.zeros(3, dtype=torch.complex64, device=device) for _ in range(2))
+        for view in (lambda t: t.imag, lambda t: t.conj().imag):
+            for _ in range(4):
+                torch.testing.assert_close(g(view(z), r + 1), accumulate(view(mine_z), mine_r + 1))
+                torch.testing.assert_close(z, mine_z)
+    assert autograph.stats(g)["replays"] >= 6, autograph.stats(g)
+
+
+def test_written_conjugate_and_negative_views(standin):
+    check_written_conjugate_and_negative_views()
+
+
 def check_a_callable_object_reads_its_attributes(device="cpu"):
     """An instance of a class with ``__call__``, graphed, is graphed as its bound
     ``__call__``: the attributes it reads are guarded (a changed scale or a rebound

@@ -58,6 +58,7 @@ from ..test_usage import (
     check_returned_attribute_tensors_are_themselves,
     check_running_statistics_written_under_inference_mode,
     check_state_bound_by_partials_defaults_and_classmethods,
+    check_written_conjugate_and_negative_views,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -225,3 +226,7 @@ def test_unused_outputs_take_no_part_in_backward():
 
 def test_forward_ad_and_batched_gradients():
     check_forward_ad_and_batched_gradients("cuda")
+
+
+def test_written_conjugate_and_negative_views():
+    check_written_conjugate_and_negative_views("cuda")

@@ -10,7 +10,8 @@ padded argument on its real rows): padded rows may not write into a cache or tab
 except inside that argument's ``pad_writes`` region, where differences are ignored (and
 only there: a write anywhere else is still a problem).  Floating-point arguments the
 function writes are first filled with the same random values in both runs, so a padded
-row writing what the cache happens to hold already is still seen.
+row writing what the cache happens to hold already is still seen.  Then both runs
+again on values of one sign (see :func:`problem`).
 """
 
 from __future__ import annotations
@@ -48,15 +49,16 @@ def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: B
     """What padding this call up to ``size`` changes, None when nothing does, or
     :data:`UNCHECKED` when the call raises without padding too.
 
-    Checked on the call's own values, then, where floating-point arguments carry the
-    batch, on them made all positive and all negative: a maximum or minimum over the
-    batch dimension (``x.amax(0)``, a sort) ignores padded zeros on some data only, and
-    replays would then be wrong on the rest.  Sums over the batch stay exact."""
+    Checked on the call's own values, then on values of one sign (:func:`_signed`): a
+    maximum or minimum over the batch dimension (``x.amax(0)``, ``mask.all(0)``, a
+    sort) ignores padded zeros on some data only, and a tensor argument that is zero
+    on this call (a weight of 0) hides a mix of rows; replays would then be wrong on
+    the rest.  Sums over the batch stay exact."""
     verdict = _problem(eager, args, kwargs, batch, size, written, names, fills, regions)
     if verdict is not None:
         return verdict
-    for sign in (1.0, -1.0):
-        signed = _signed(args, kwargs, batch, sign)
+    for sign in (1, -1):
+        signed = _signed(args, kwargs, batch, sign, written, names)
         if signed is None:
             break
         verdict = _problem(eager, *signed, batch, size, written, names, fills, regions)
@@ -65,21 +67,39 @@ def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: B
     return None
 
 
-def _signed(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, sign: float
+def _signed(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, sign: int,
+            written: set[Key], names: Arguments
             ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The arguments with each floating-point batch argument replaced by its values
-    made all of one sign (``sign * (|x| + 1)``), or None when there is none."""
+    """The arguments with values of one sign, or None when none changes: each
+    floating-point tensor argument the call only reads (batch or not) made
+    ``sign * (|x| + 1)``; each boolean batch argument all True (``sign`` 1) or all
+    False; and, for a call that writes no argument, each integer batch argument filled
+    with its own largest (1) or smallest value (values it holds already: indexes stay
+    in range; a call that writes could scatter rows to one index and race)."""
     new_args, new_kwargs = list(args), dict(kwargs)
+    in_batch = {key for key, _, _ in batch}
+    keys = names.keys_of(args, kwargs)
     changed = False
-    for key, value, _ in batch:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            with torch.no_grad():
-                signed = (value.abs() + 1) * sign
-            if isinstance(key, int):
-                new_args[key] = signed
+    for key, canon in zip((*range(len(args)), *kwargs), keys):
+        value = arg_of(args, kwargs, key)
+        if not isinstance(value, torch.Tensor) or canon in written or not value.numel():
+            continue
+        with torch.no_grad():
+            if value.is_floating_point():
+                new = (value.abs() + 1) * sign
+            elif key not in in_batch or value.is_complex():
+                continue
+            elif value.dtype is torch.bool:
+                new = torch.full_like(value, sign > 0)
+            elif not written:
+                new = torch.full_like(value, (value.max() if sign > 0 else value.min()).item())
             else:
-                new_kwargs[key] = signed
-            changed = True
+                continue
+        if isinstance(key, int):
+            new_args[key] = new
+        else:
+            new_kwargs[key] = new
+        changed = True
     return (tuple(new_args), new_kwargs) if changed else None
 
 

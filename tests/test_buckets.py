@@ -365,3 +365,42 @@ def check_order_statistics_over_the_batch_turn_padding_off(device="cpu"):
 
 def test_order_statistics_over_the_batch_turn_padding_off(standin):
     check_order_statistics_over_the_batch_turn_padding_off()
+
+
+def _all(mask):
+    return mask.all(0)
+
+
+def _integer_min(x):
+    return x.min(0).values
+
+
+def _weighted_mean(x, w):
+    return x + x.mean(0, keepdim=True) * w
+
+
+def check_boolean_integer_and_non_batch_arguments_in_the_padding_check(device="cpu"):
+    """The check's values of one sign cover a boolean batch argument (``all`` over the
+    batch, checked on rows already False), an integer one (a minimum, checked on rows
+    holding 0) and a floating-point argument that is not batched (a weight of 0 on the
+    checked call hid a mean over the batch): padding goes off, every call is eager's
+    (shared with tests/gpu)."""
+    cases = [
+        (_all, lambda i: (torch.tensor([[1, 0], [0, 1], [1, 1]], device=device).bool(),)
+         if i < 3 else (torch.ones(3, 2, dtype=torch.bool, device=device),)),
+        (_integer_min, lambda i: (torch.randint(0 if i < 3 else 1, 9, (3, 2), device=device),)),
+        (_weighted_mean, lambda i: (torch.randn(3, 2, device=device),
+                                    torch.full((), 0.0 if i < 3 else 1.0, device=device))),
+    ]
+    for f, make in cases:
+        g = autograph.graphed(f, buckets=[4])
+        with torch.no_grad():
+            for i in range(8):
+                args = make(i)
+                torch.testing.assert_close(g(*args), f(*args))
+        s = autograph.stats(g)
+        assert s["padding"] is not None and s["replays"] >= 1, (f.__name__, s)
+
+
+def test_boolean_integer_and_non_batch_arguments_in_the_padding_check(standin):
+    check_boolean_integer_and_non_batch_arguments_in_the_padding_check()

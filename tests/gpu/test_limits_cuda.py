@@ -28,6 +28,7 @@ from ..test_backward import (
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
+    check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
     check_padded_outputs_have_eager_layout,
 )
 from ..test_guards import (
@@ -230,3 +231,7 @@ def test_forward_ad_and_batched_gradients():
 
 def test_written_conjugate_and_negative_views():
     check_written_conjugate_and_negative_views("cuda")
+
+
+def test_boolean_integer_and_non_batch_arguments_in_the_padding_check():
+    check_boolean_integer_and_non_batch_arguments_in_the_padding_check("cuda")

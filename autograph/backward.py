@@ -135,11 +135,12 @@ class _Call:
     """One call of a training graph: whether its backward may still run (``alive``, a
     weak reference to a token it saved for backward) and its spilled state."""
 
-    __slots__ = ("alive", "spilled")
+    __slots__ = ("alive", "spilled", "done")
 
     def __init__(self, alive: Callable[[], Any]) -> None:
         self.alive = alive
         self.spilled: list[torch.Tensor] | None = None
+        self.done: frozenset[int] = frozenset()  # the outputs backpropagated (indexes)
 
 
 class Trained(replay.Captured):
@@ -360,6 +361,15 @@ class Trained(replay.Captured):
         if self.stats is not None:
             self.stats.backward_spills += 1
 
+    def holds(self, call: _Call, grads: tuple[Any, ...]) -> bool:
+        """Whether a backward of ``call`` for ``grads`` may run after autograd freed
+        what the call saved (an earlier backward through other outputs): its state is
+        still at hand (the graph's, or spilled), and no output that takes a gradient
+        now took one then (eager's backward through that output raises)."""
+        if call is not self.owner and call.spilled is None:
+            return False
+        return not any(grads[k] is not None for k in call.done)
+
     def _own(self, call: _Call) -> None:
         """Put ``call``'s spilled state back into the spill set (under the lock)."""
         if call is self.owner:
@@ -390,6 +400,7 @@ class Trained(replay.Captured):
         ``sqrt`` at 0) and give targets only they reach a gradient."""
         wanted = [grads[k] for k in self.diff]
         used = tuple(k for k, g in enumerate(wanted) if g is not None)
+        call.done = call.done.union(self.diff[k] for k in used)
         if len(used) < len(wanted):
             wanted = [wanted[k] for k in used]
         # gradients batched by a torch.func transform: a graph cannot take them
@@ -453,7 +464,14 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.saved_tensors  # noqa: B018 - autograd's check: a saved parameter changed raises
+        try:
+            ctx.saved_tensors  # noqa: B018 - autograd's check: a saved parameter changed raises
+        except RuntimeError as exc:
+            # freed by an earlier backward through other outputs (``a.sum().backward();
+            # b.sum().backward()``, eager's way with branches that share no saved
+            # tensor): fine while the graph still holds this call's state
+            if "second time" not in str(exc) or not ctx.graph.holds(ctx.call, grads):
+                raise
         if torch.is_grad_enabled():  # create_graph=True: gradients with a history
             return (None, None, None, *recompute.gradients(ctx.graph, ctx.leaves, grads))
         return (None, None, None, *ctx.graph.replay_backward(ctx.call, grads))

@@ -19,6 +19,7 @@ from ..test_backward import (
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
+    check_separate_backwards_through_independent_outputs,
     check_sparse_gradients_train_as_eager,
     check_state_and_arguments_written_before_backward_raise,
     check_training_outputs_that_alias_keep_aliasing,
@@ -235,3 +236,7 @@ def test_written_conjugate_and_negative_views():
 
 def test_boolean_integer_and_non_batch_arguments_in_the_padding_check():
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check("cuda")
+
+
+def test_separate_backwards_through_independent_outputs():
+    check_separate_backwards_through_independent_outputs("cuda")

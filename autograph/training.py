@@ -193,6 +193,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise Uncapturable(UNSUPPORTED, problem)
     if trained.spill_set is not None:
         trained.spill_set = _with_ctx_tensors(trained.spill_set, trained.static_diff, own)
+    if trained.spill_set is not None:
+        trained.spill_set = [_spillable(t) for t in trained.spill_set]
     trained.find_saved_outputs()
     if reuse:
         trained.lend()
@@ -261,6 +263,21 @@ def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: 
                 elif not isinstance(leaf, _PLAIN):
                     return None
     return list(extra.values())
+
+
+_overlap: Any = getattr(torch, "_debug_has_internal_overlap", None)
+
+
+def _spillable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or where elements of it share memory (an expanded view, BERT's default
+    ``token_type_ids``) the dense span of its storage it covers: a copy cannot be
+    written back into a tensor that overlaps itself."""
+    if _overlap is None or not _overlap(t):
+        return t
+    low = t.storage_offset()
+    high = low + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    span = torch.empty(0, dtype=t.dtype, device=t.device)
+    return span.set_(t.untyped_storage(), low, (high - low + 1,), (1,))
 
 
 # torch.utils.checkpoint's reentrant Function (use_reentrant=True)

@@ -1622,3 +1622,43 @@ def check_separate_backwards_through_independent_outputs(device: str = "cpu") ->
 
 def test_separate_backwards_through_independent_outputs():
     check_separate_backwards_through_independent_outputs()
+
+
+class _ExpandedIds(nn.Module):
+    """BERT's default ``token_type_ids``: an expanded view (elements sharing memory)
+    made in the call, saved by the embedding for its backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.types = nn.Embedding(2, 8)
+        self.words = nn.Embedding(16, 8)
+        self.register_buffer("zeros", torch.zeros(1, 6, dtype=torch.long), persistent=False)
+
+    def forward(self, ids):
+        kinds = self.zeros[:, : ids.shape[1]].gather(1, torch.zeros_like(self.zeros)) \
+            .expand(ids.shape[0], ids.shape[1])
+        return self.words(ids) + self.types(kinds)
+
+
+def check_saved_tensors_with_internal_overlap_are_spilled(device: str = "cpu") -> None:
+    """Two forwards of one graph, then one backward through both (a siamese loss): the
+    first call's saved state is spilled and put back, including an expanded tensor
+    (its copy could not be written back into the view)."""
+    torch.manual_seed(0)
+    eager = _ExpandedIds().to(device)
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model)
+    for _ in range(5):
+        a, p = (torch.randint(0, 16, (4, 6), device=device) for _ in range(2))
+        for m, call in ((eager, eager), (model, g)):
+            m.zero_grad(set_to_none=True)
+            logits = call(a)[:, 0] @ call(p)[:, 0].T
+            nn.functional.cross_entropy(logits, torch.arange(4, device=device)).backward()
+        for q, r in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(q.grad, r.grad)
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 and s["backward_spills"] >= 2, s
+
+
+def test_saved_tensors_with_internal_overlap_are_spilled():
+    check_saved_tensors_with_internal_overlap_are_spilled()

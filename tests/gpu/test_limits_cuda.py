@@ -19,6 +19,7 @@ from ..test_backward import (
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_saved_tensor_hooks_run_eagerly,
+    check_saved_tensors_with_internal_overlap_are_spilled,
     check_separate_backwards_through_independent_outputs,
     check_sparse_gradients_train_as_eager,
     check_state_and_arguments_written_before_backward_raise,
@@ -240,3 +241,7 @@ def test_boolean_integer_and_non_batch_arguments_in_the_padding_check():
 
 def test_separate_backwards_through_independent_outputs():
     check_separate_backwards_through_independent_outputs("cuda")
+
+
+def test_saved_tensors_with_internal_overlap_are_spilled():
+    check_saved_tensors_with_internal_overlap_are_spilled("cuda")

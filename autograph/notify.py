@@ -5,7 +5,9 @@ Installed once, the first time a module is watched: a wrapper of
 attribute assignments (a float scale, a flag, a swapped submodule, a parameter
 replaced); wrappers of the hook registration methods report hooks registered later
 (forward hooks: the watch reads them again at the next call; backward hooks: the
-graphs are dropped).  ``watched`` maps the id of every watched module to its watches.
+graphs are dropped); wrappers of the container methods that write ``_modules``
+directly (``ModuleList.insert``, ``ModuleDict.clear``) report those changes.
+``watched`` maps the id of every watched module to its watches.
 """
 
 from __future__ import annotations
@@ -93,6 +95,28 @@ def _wrap_registration(owner: Any, name: str, backward: bool, on_module: bool) -
     setattr(owner, name, register)
 
 
+# container methods that write ``_modules`` directly, past ``__setattr__`` and the
+# registration hooks (``layers.insert(0, block)``, ``heads.clear()``)
+_DIRECT_WRITES = ((nn.ModuleList, "insert"), (nn.Sequential, "insert"),
+                  (nn.ModuleDict, "clear"), (nn.ModuleDict, "__delitem__"))
+
+
+def _wrap_container(owner: Any, name: str) -> None:
+    """Make ``owner.name`` report the change of its module's submodules."""
+    original = getattr(owner, name, None)
+    if original is None:
+        return
+
+    @functools.wraps(original)
+    def changed(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if id(self) in watched:
+            _notify(self, "_modules")
+        return out
+
+    setattr(owner, name, changed)
+
+
 def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
     ws = watched.get(id(module))
     if ws:
@@ -138,6 +162,8 @@ def install() -> None:
             register = getattr(mm, f"register_module_{hook}_registration_hook", None)
             if register is not None:
                 register(registered)
+        for owner, name in _DIRECT_WRITES:
+            _wrap_container(owner, name)
         for name in ("register_forward_hook", "register_forward_pre_hook"):
             _wrap_registration(_Module, name, backward=False, on_module=True)
         for name in ("register_full_backward_hook", "register_full_backward_pre_hook",

@@ -2031,3 +2031,49 @@ def check_python_attributes_set_on_tensor_arguments(device: str = "cpu") -> None
 
 def test_python_attributes_set_on_tensor_arguments(standin):
     check_python_attributes_set_on_tensor_arguments()
+
+
+class _Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+
+    def forward(self, x):
+        for head in self.heads.values():
+            x = head(x)
+        return x
+
+
+def check_containers_changed_in_place_are_seen(device: str = "cpu") -> None:
+    """``Sequential.insert``, ``ModuleList.insert``, ``ModuleDict.clear`` and ``del``
+    write the submodules past ``__setattr__``: the graphs of the old layer stack were
+    replayed.  Each change is seen; later calls replay the new stack."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to(device)
+    listed = nn.Sequential(nn.Linear(4, 4)).to(device)
+    listed.blocks = nn.ModuleList([nn.Linear(4, 4)]).to(device)
+    listed.forward = lambda x: listed.blocks[0](x) if len(listed.blocks) == 1 else \
+        listed.blocks[1](listed.blocks[0](x))
+    heads = _Heads().to(device)
+    changes = [
+        (seq, lambda: seq.insert(0, nn.Linear(4, 4).to(device))),
+        (listed, lambda: listed.blocks.insert(0, nn.Linear(4, 4).to(device))),
+        (heads, lambda: heads.heads.__delitem__("a")),
+        (heads, lambda: heads.heads.clear()),
+    ]
+    x = torch.randn(2, 4, device=device)
+    with torch.no_grad():
+        for model, change in changes:
+            g = autograph.graphed(model)
+            for _ in range(4):
+                torch.testing.assert_close(g(x), model(x))
+            change()
+            for _ in range(4):
+                with autograph.disabled():
+                    want = model(x)
+                torch.testing.assert_close(g(x), want)
+            assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_containers_changed_in_place_are_seen(standin):
+    check_containers_changed_in_place_are_seen()

@@ -54,6 +54,7 @@ from ..test_usage import (
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
     check_container_arguments_shared_nested_and_returned_twice,
+    check_containers_changed_in_place_are_seen,
     check_flags_read_through_classes_and_globals,
     check_overlapping_outputs_keep_their_layout,
     check_python_attributes_set_on_tensor_arguments,
@@ -245,3 +246,7 @@ def test_separate_backwards_through_independent_outputs():
 
 def test_saved_tensors_with_internal_overlap_are_spilled():
     check_saved_tensors_with_internal_overlap_are_spilled("cuda")
+
+
+def test_containers_changed_in_place_are_seen():
+    check_containers_changed_in_place_are_seen("cuda")

@@ -20,6 +20,7 @@ import torch
 from .flat import Flat
 from .keys import GraphKey, sharing
 from .mutation import storage_ptr
+from .objects import ObjectKey
 from .options import Options
 from .stats import Stats
 from .vocab import EagerReason, State
@@ -27,6 +28,7 @@ from .vocab import EagerReason, State
 # Past this many entries that hold no graph, the oldest are forgotten: callers whose
 # keys never repeat must not grow the dict without bound.
 IDLE_SLACK = 64
+MOVING = 2  # keys of one structure in a row that never replayed: the next runs cold
 
 # The padded buffers of the call this thread is making: (the cache, their ids).
 _pins = threading.local()
@@ -56,7 +58,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
-        "syncs", "assigned_once",
+        "syncs", "assigned_once", "kept_at", "cold",
     )
 
     def __init__(self) -> None:
@@ -89,6 +91,14 @@ class Entry:
         # a warmup found the call changing a global or class attribute it reads: once
         # is a set-up (learned again), twice makes the key eager
         self.assigned_once = False
+        self.kept_at = 0  # the use stamp when its graph was kept (used past it: replayed)
+        # its first call runs plainly eagerly: its arguments' addresses moved again and
+        # the last addresses of its structure never replayed (see GraphCache.entry)
+        self.cold = False
+
+    def replayed(self) -> bool:
+        """Whether this entry's graph was used after it was kept (replayed)."""
+        return 0 < self.kept_at < self.used
 
     def give_up(self, reason: EagerReason, detail: str = "") -> None:
         """This key runs eagerly from now on."""
@@ -123,6 +133,11 @@ class GraphCache:
         # one warmup, which learns what the call does to this very object (code may
         # keep state of its own per object: a first call that differs)
         self.shapes: dict[GraphKey, bool] = {}
+        # per structure of keys with addresses (``GraphKey.unaddressed``), the entry of
+        # its latest key and how many keys in a row never replayed: a new key after
+        # MOVING of those (beam search moves its cache every step) runs its first call
+        # plainly eagerly (``Entry.cold``)
+        self.lasts: dict[GraphKey, tuple[Entry, int]] = {}
         # called whenever a graph is freed: a bucketer's routes hold graphs' runners
         self.on_forget: Callable[[], None] | None = None
 
@@ -176,6 +191,8 @@ class GraphCache:
                     self.known.discard(key)
                     entry.runs = self.options.warmup
                     entry.direct = True
+                elif self._moving(key, entry):
+                    entry.cold = True
                 elif self.shapes:
                     known = self.shapes.get(key.unaddressed())
                     # known types: no warmup at all, unless an argument shares memory
@@ -189,12 +206,27 @@ class GraphCache:
                 self.trim()
             return entry
 
+    def _moving(self, key: GraphKey, entry: Entry) -> bool:
+        """Whether ``key`` (new) has addresses that moved from those of the structure's
+        latest keys, the last MOVING of which never replayed (two caches used in turn
+        are not that): capturing it would likely be wasted too."""
+        if not key.written and not any(type(p) is ObjectKey for p in key.leaves):
+            return False
+        family = key.unaddressed()
+        lasts = self.lasts
+        last, misses = lasts.get(family, (None, 0))
+        misses = misses + 1 if last is not None and not last.replayed() else 0
+        if len(lasts) >= 8 * self.options.max_graphs:
+            lasts.clear()
+        lasts[family] = (entry, misses)
+        return misses >= MOVING
+
     def keep(self, entry: Entry, nbytes: int) -> None:
         """``entry`` now holds a graph: count it and evict what exceeds the bounds."""
         with self.lock:
             entry.state = State.READY
             entry.nbytes = nbytes
-            self.uses = entry.used = self.uses + 1  # the newest graph: evicted last
+            self.uses = entry.used = entry.kept_at = self.uses + 1  # the newest: evicted last
             self.stats.graphs += 1
             self.stats.graph_bytes += nbytes
             self.trim()
@@ -275,6 +307,7 @@ class GraphCache:
             known = {k for k, e in self.entries.items() if e.graph is not None and e.repeat}
             self.drop(list(self.entries))
             self.known = known if keep_known else set()
+            self.lasts.clear()
             if not keep_known:
                 self.shapes.clear()
                 self.inplace.clear()

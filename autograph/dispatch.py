@@ -47,6 +47,7 @@ _functorch_active = shortcut._functorch_active
 # When a callable stops trying: this many new keys in a row without a replay (keys that
 # never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.
 GIVE_UP_FRESH_KEYS = 64
+MOVED = "its arguments' addresses moved and the last ones never replayed"
 
 
 class Engine:
@@ -142,6 +143,10 @@ class Engine:
             out = self.replay_entry(entry, run, flat)
             shortcut.learn(self, args, key, flat, entry, run)
             return out
+        if entry.cold and self.ranks is None:  # (ranks agree on every action instead)
+            entry.cold = False
+            self.stats.count_eager(EagerReason.WARMUP, MOVED, warn=False)
+            return self.eager(*flat.call())
         # an object argument (objects.py) is learned by one warmup run even under
         # warmup=0: a capture runs the Python once, and its changes must be known first
         action = (Action.REPLAY if run is not None
@@ -231,10 +236,13 @@ class Engine:
         misfit = self.misfit(args, kwargs)  # arguments that do not bind: eager raises
         if misfit is not None:  # their TypeError, with no warmup counted and no entry made
             raise Uncapturable(EagerReason.BAD_ARGUMENTS, misfit)
+        entry = self.cache.entry(key, flat)
+        if entry.cold:  # the addresses of a known structure moved: no new kind of call
+            return entry
         self._fresh += 1
         if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
             self.give_up_all(f"{self._fresh} new keys in a row without a replay")
-        return self.cache.entry(key, flat)
+        return entry
 
     def give_up_all(self, why: str) -> None:
         """Stop warming up and capturing: every later call runs eagerly at once."""

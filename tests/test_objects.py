@@ -36,7 +36,7 @@ class Step(nn.Module):
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x, cache):
-        pos = torch.arange(x.shape[0]) + cache.length
+        pos = torch.arange(x.shape[0], device=x.device) + cache.length
         cache.keys.index_copy_(0, pos, self.fc(x))
         cache.length.add_(x.shape[0])
         return cache.keys.sum(0), cache
@@ -818,3 +818,34 @@ def test_a_graphed_sentence_transformer_fills_the_callers_features(standin, monk
 
     monkeypatch.setattr(masking, "is_tracing", lambda tensor=None: True)  # as above
     check_a_graphed_sentence_transformer_fills_the_callers_features()
+
+
+def check_a_cache_moved_every_call_runs_eagerly_without_giving_up(device="cpu"):
+    """Beam search reorders its cache every step (new tensors: new addresses, new
+    keys): a graph per step would never replay.  Once a structure's latest key never
+    replayed, a new one runs its first call plainly eagerly (no capture, no count
+    towards giving up); a cache that then stays put is captured and replays."""
+    model = Step().to(device)
+    g = autograph.graphed(model)
+    x = torch.randn(1, 4, device=device)
+    cache, mine = KV(), KV()
+    for kv in (cache, mine):
+        kv.keys, kv.length = kv.keys.to(device), kv.length.to(device)
+    with torch.no_grad():
+        for _ in range(100):  # reordered after each step, as beam search's cache
+            torch.testing.assert_close(g(x, cache)[0], model(x, mine)[0])
+            torch.testing.assert_close(cache.keys, mine.keys)
+            cache.keys = cache.keys.flip(0).clone()
+            mine.keys = mine.keys.flip(0).clone()
+            cache.length.zero_()
+            mine.length.zero_()
+        s = autograph.stats(g)
+        assert s["captures"] <= 2 and "given_up" not in s["eager_reasons"], s
+        for _ in range(8):  # a cache that stays put
+            torch.testing.assert_close(g(x, cache)[0], model(x, mine)[0])
+            torch.testing.assert_close(cache.keys, mine.keys)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_a_cache_moved_every_call_runs_eagerly_without_giving_up():
+    check_a_cache_moved_every_call_runs_eagerly_without_giving_up()

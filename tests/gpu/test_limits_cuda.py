@@ -40,6 +40,7 @@ from ..test_guards import (
     check_written_state_passed_from_the_first_call,
 )
 from ..test_objects import (
+    check_a_cache_moved_every_call_runs_eagerly_without_giving_up,
     check_a_graphed_sentence_transformer_fills_the_callers_features,
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
@@ -250,3 +251,7 @@ def test_saved_tensors_with_internal_overlap_are_spilled():
 
 def test_containers_changed_in_place_are_seen():
     check_containers_changed_in_place_are_seen("cuda")
+
+
+def test_a_cache_moved_every_call_runs_eagerly_without_giving_up():
+    check_a_cache_moved_every_call_runs_eagerly_without_giving_up("cuda")

@@ -46,6 +46,40 @@ class CaptureError(RuntimeError):
     pass
 
 
+_capturing: set[int] = set()  # the threads capturing (for _refuse_host_reads)
+
+
+def _refuse_host_reads() -> None:
+    """``Tensor.tolist()`` and ``.numpy()`` read a CPU tensor without reaching the
+    dispatcher: on the device they synchronize, which a capture refuses.  Patched on
+    the class once, refusing in capturing threads only (a torch function mode would
+    turn off fast paths that check for one, as ``nn.MultiheadAttention``'s does)."""
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any, _name: str = name,
+                 _original: Any = original, **kwargs: Any) -> Any:
+            if _capturing and threading.get_ident() in _capturing:
+                raise CaptureError(f"Tensor.{_name} is not permitted while the stream is "
+                                   "capturing")
+            return _original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, read)
+
+
+_refuse_host_reads()
+
+
+@contextlib.contextmanager
+def _host_reads_refused() -> Iterator[None]:
+    me = threading.get_ident()
+    _capturing.add(me)
+    try:
+        yield
+    finally:
+        _capturing.discard(me)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -188,7 +222,7 @@ class StandinBackend:
         self.pools_used.append(pool if pool is not None else self._pool)
         self._local.capturing = True
         try:
-            with recorder, self._stream_capturing():
+            with recorder, _host_reads_refused(), self._stream_capturing():
                 if self.fail_next is not None:
                     exc, self.fail_next = self.fail_next, None
                     raise exc

@@ -17,6 +17,7 @@ import dis
 import enum
 import functools
 import inspect
+import math
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,16 +25,64 @@ from typing import Any
 import torch
 from torch import nn
 
-_SCALARS = (bool, int, float, str, type(None))
+
+def _numpy_scalar_type() -> type:
+    """numpy's scalar base class (``np.int64(5)`` is a value too), or bool without numpy."""
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy is optional
+        return bool
+    return numpy.generic  # type: ignore[no-any-return]
+
+
+_numpy_scalar = _numpy_scalar_type()
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), range, slice, _numpy_scalar)
 MISSING = object()  # a name or cell that holds nothing (any more)
 
 
 def same(now: Any, then: Any) -> bool:
+    """Whether a value a graph baked in is still the same: the very object, or a
+    scalar of the same type and value, the sign of a zero included (``x / eps`` with
+    ``eps`` 0.0 or -0.0 gives infinities of either sign)."""
     if now is then:
         return True
     if isinstance(then, _SCALARS) and type(now) is type(then):
-        return bool(now == then)
+        try:
+            return bool(now == then) and _signs(now) == _signs(then)
+        except (TypeError, ValueError):  # a numpy scalar of no plain truth value
+            return False
     return False
+
+
+def _signs(value: Any) -> Any:
+    """The signs of a float's or complex's zero parts (others: None)."""
+    if isinstance(value, float):
+        return math.copysign(1.0, value) if value == 0 else None
+    if isinstance(value, complex):
+        return _signs(value.real), _signs(value.imag)
+    kind = getattr(getattr(value, "dtype", None), "kind", None)  # a numpy scalar's
+    if kind == "f":
+        return _signs(float(value))
+    if kind == "c":
+        return _signs(complex(value))
+    return None
+
+
+def same_items(now: dict[str, Any], then: dict[str, Any]) -> bool:
+    """Whether two attribute dictionaries hold the same values (:func:`same` for
+    scalars, so a zero's sign counts; ``==`` for the rest)."""
+    if now.keys() != then.keys():
+        return False
+    for k, v in now.items():
+        w = then[k]
+        if v is w:
+            continue
+        if isinstance(w, _SCALARS):
+            if not same(v, w):
+                return False
+        elif not bool(v == w):
+            return False
+    return True
 
 
 def _chain(fn: Any) -> list[Any]:

@@ -57,6 +57,7 @@ from .coderefs import (
     new_refs,
     owner_refs,
     same,
+    same_items,
 )
 from .steps import StepGuard
 
@@ -185,7 +186,7 @@ class Watch:
         """Whether each configuration object still holds what it held (``config_dicts``;
         a value whose comparison raises, a tensor, counts as changed)."""
         try:
-            return all(live == copy for live, copy in self._configs)
+            return all(same_items(live, copy) for live, copy in self._configs)
         except Exception:  # noqa: BLE001
             return False
 

@@ -5,13 +5,17 @@ listed in walk order (with where each sits, for messages).
 registered (``known_types``).  Tensors leave a ``None`` slot (their keys come later, once
 the call's device is known); Python scalars, strings, dtypes and devices are kept by
 value (floats by their hex spelling); lists, tuples and dicts are walked; functions and
-classes are kept by identity; any other object by its attributes (``__dict__`` and
-``__slots__``).  The walk is bounded in depth and size.
+classes are kept themselves (with a function's closure and defaults), bound methods
+and ``functools.partial`` by their parts; any other object by its attributes
+(``__dict__`` and ``__slots__``, a callable object too).  The walk is bounded in
+depth and size.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import types
 from typing import Any
 
 import torch
@@ -79,9 +83,18 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
             return ("id", tx, id(x))
         return ("map", keys, tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
                                    for k, v in x.items()))
-    if isinstance(x, type) or (callable(x) and not isinstance(x, torch.nn.Module)):
-        return ("id", tx, id(x))  # a function or a class: by identity
+    if isinstance(x, _FUNCTIONS) or isinstance(x, type):
+        return _function(x)
+    if tx is types.MethodType:  # a bound method: made anew at each attribute read
+        return ("method", _function(x.__func__), walk(x.__self__, walked, f"{path}.__self__",
+                                                      depth + 1, counter))
+    if isinstance(x, functools.partial):
+        return ("partial", walk(x.func, walked, f"{path}.func", depth + 1, counter),
+                walk(x.args, walked, f"{path}.args", depth + 1, counter),
+                walk(x.keywords, walked, f"{path}.keywords", depth + 1, counter))
     attrs = _attributes(x) if not isinstance(x, _UNOPENED) else None
+    if attrs is None and callable(x) and not isinstance(x, _UNOPENED):
+        return Held(x)  # a callable without attributes: itself, kept alive
     if attrs is None:
         where = f" (at {path})" if depth else ""
         raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {tx.__qualname__}{where} "
@@ -90,6 +103,71 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
     names = tuple(attrs)
     return ("attrs", names, tuple(walk(v, walked, f"{path}.{k}", depth + 1, counter)
                                   for k, v in attrs.items()), tx)
+
+
+class Held:
+    """An object in a key by identity, kept alive by it (so that no other object takes
+    its id while the key lives), whether or not it hashes."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Held and other.obj is self.obj
+
+    def __repr__(self) -> str:
+        return f"Held({type(self.obj).__qualname__} at {id(self.obj):#x})"
+
+
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType,
+              types.WrapperDescriptorType, types.MethodDescriptorType,
+              types.ClassMethodDescriptorType)
+
+
+def _function(fn: Any) -> Any:
+    """A function or class for its key: itself (the key holds it: a new one cannot take
+    a freed one's id and with it its graphs), a Python function by its code and the
+    values its closure cells and defaults hold (``lambda t: t * s``: plain values by
+    value, tensors and modules by identity, held too)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or type(fn) is not types.FunctionType:
+        return Held(fn)
+    cells = tuple(_held(c.cell_contents) if _filled(c) else MISSING_CELL
+                  for c in fn.__closure__ or ())
+    # by its code, not itself: a lambda made anew per call with the same values is the
+    # same call
+    return ("function", code, Held(fn.__globals__), cells, _held(fn.__defaults__),
+            _held(fn.__kwdefaults__))
+
+
+MISSING_CELL = ("empty cell",)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def _held(value: Any) -> Any:
+    """A value held by a function, for its key: plain values by value, containers of
+    them walked, anything else by identity (kept alive in the key)."""
+    if type(value) is float:
+        return (float, value.hex())
+    if isinstance(value, VALUES) or isinstance(value, enum.Enum):
+        return (type(value), value)
+    if type(value) in (tuple, list):
+        return ("seq", type(value), tuple(_held(v) for v in value))
+    if type(value) is dict and all(isinstance(k, str) for k in value):
+        return ("map", tuple(value), tuple(_held(v) for v in value.values()))
+    return Held(value)
 
 
 def _attributes(x: Any) -> dict[str, Any] | None:

@@ -739,3 +739,101 @@ def test_a_transformers_config_flag_is_guarded():
     assert list(got.keys()) == list(want.keys()) == ["logits", "hidden_states"]
     for a, b in zip(got.hidden_states, want.hidden_states):
         torch.testing.assert_close(a, b)
+
+
+EPSILON = 0.0
+COUNT = None  # set to a numpy scalar by the test
+SHIFT = 1 + 0j
+
+
+def _over_epsilon(x):
+    return x / EPSILON
+
+
+def _times_count(x):
+    return x * int(COUNT)
+
+
+def _times_shift(x):
+    return x * SHIFT.real
+
+
+class _Signed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shift = 0.0
+
+    def forward(self, x):
+        return torch.copysign(x, torch.full_like(x, self.shift))
+
+
+def check_zero_signs_numpy_scalars_and_complex_values_are_guarded(device="cpu"):
+    """A global or attribute changed from 0.0 to -0.0 (``x / eps`` gives infinities of
+    the other sign), or holding a numpy scalar or a complex number, is guarded: the
+    graphs baked in the old value (shared with tests/gpu)."""
+    import numpy as np
+
+    global EPSILON, COUNT, SHIFT
+    EPSILON, COUNT, SHIFT = 0.0, np.int64(1), 1 + 0j
+    x = torch.ones(2, device=device)
+    module = _Signed().to(device)
+    cases = [(_over_epsilon, "EPSILON", -0.0), (_times_count, "COUNT", np.int64(5)),
+             (_times_shift, "SHIFT", 7 + 0j), (module, None, -0.0)]
+    for fn, name, new in cases:
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(4):
+                torch.testing.assert_close(g(x), fn(x))
+            if name is None:
+                module.shift = new
+            else:
+                globals()[name] = new
+            for _ in range(4):
+                torch.testing.assert_close(g(x), fn(x))
+        assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_zero_signs_numpy_scalars_and_complex_values_are_guarded(standin):
+    check_zero_signs_numpy_scalars_and_complex_values_are_guarded()
+
+
+def check_function_arguments_are_keyed_by_code_and_values(device="cpu"):
+    """A function, partial or callable object passed as an argument: a lambda made per
+    call (whose freed predecessor's id it may take) is keyed by its code and the
+    values it closes over, a partial by its parts, a callable object by its
+    attributes: each call gets eager's result; equal ones replay."""
+    import functools
+
+    def apply(x, fn):
+        return fn(x)
+
+    class Scale:
+        def __init__(self, s):
+            self.s = s
+
+        def __call__(self, t):
+            return t * self.s
+
+    def make(s):
+        return lambda t: t * s
+
+    x = torch.ones(2, device=device)
+    scale = Scale(1.0)
+    makers = [make, lambda s: functools.partial(torch.mul, other=s)]
+    for maker in makers:
+        g = autograph.graphed(apply)
+        with torch.no_grad():
+            for i in range(12):
+                value = float(i // 4)  # equal values for four calls in a row
+                torch.testing.assert_close(g(x, maker(value)), x * value)
+        assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+    g = autograph.graphed(apply)
+    with torch.no_grad():
+        for i in range(12):
+            scale.s = float(i // 4)
+            torch.testing.assert_close(g(x, scale), x * scale.s)
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+
+def test_function_arguments_are_keyed_by_code_and_values(standin):
+    check_function_arguments_are_keyed_by_code_and_values()

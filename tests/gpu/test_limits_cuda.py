@@ -36,8 +36,10 @@ from ..test_buckets import (
 from ..test_guards import (
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
+    check_function_arguments_are_keyed_by_code_and_values,
     check_named_tensors_given_other_memory_in_place_are_seen,
     check_written_state_passed_from_the_first_call,
+    check_zero_signs_numpy_scalars_and_complex_values_are_guarded,
 )
 from ..test_objects import (
     check_a_cache_moved_every_call_runs_eagerly_without_giving_up,
@@ -255,3 +257,11 @@ def test_containers_changed_in_place_are_seen():
 
 def test_a_cache_moved_every_call_runs_eagerly_without_giving_up():
     check_a_cache_moved_every_call_runs_eagerly_without_giving_up("cuda")
+
+
+def test_zero_signs_numpy_scalars_and_complex_values_are_guarded():
+    check_zero_signs_numpy_scalars_and_complex_values_are_guarded("cuda")
+
+
+def test_function_arguments_are_keyed_by_code_and_values():
+    check_function_arguments_are_keyed_by_code_and_values("cuda")

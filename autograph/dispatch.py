@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import containers, lifecycle, recording, replay, shortcut, verify, vocab
+from . import containers, lifecycle, notify, recording, replay, shortcut, verify, vocab
 from . import stats as _stats
 from . import switch as _switch
 from .arguments import Misfit, no_misfit
@@ -208,8 +208,10 @@ class Engine:
             last = self._device = _find_backend(device)
         if last[2]():
             raise Uncapturable(EagerReason.CAPTURING)
-        if watch.hook_reason and watch.hooks():
-            raise Uncapturable(EagerReason.HOOKS, watch.hook_reason)
+        if watch.hook_reason or notify.global_hooks():
+            hooked = watch.hooks()
+            if hooked:
+                raise Uncapturable(EagerReason.HOOKS, hooked)
         if key.modes[0] and self._autograd_records(flat):
             if not self.trains:
                 raise Uncapturable(EagerReason.AUTOGRAD)

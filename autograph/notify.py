@@ -201,6 +201,24 @@ def _global_hooks() -> bool:
                 or getattr(mm, "_global_forward_pre_hooks", None))
 
 
+def _global_dicts() -> tuple[dict[Any, Any], dict[Any, Any]]:
+    from torch.nn.modules import module as mm
+
+    return (getattr(mm, "_global_forward_hooks", {}),
+            getattr(mm, "_global_forward_pre_hooks", {}))
+
+
+# the dictionaries of global module forward (pre-)hooks, read on every call: a hook
+# registered through a name imported before the registration wrappers were installed
+# reports nothing
+GLOBAL_HOOKS, GLOBAL_PRE_HOOKS = _global_dicts()
+
+
+def global_hooks() -> bool:
+    """Whether global module forward hooks are registered (two dictionary reads)."""
+    return bool(GLOBAL_HOOKS or GLOBAL_PRE_HOOKS)
+
+
 def still_hooked(hooked: Any) -> bool:
     """Whether what a hook reason named (see hooks_reason) still has forward hooks."""
     if hooked is GLOBAL:

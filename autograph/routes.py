@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from . import lifecycle, padslots
+from . import lifecycle, notify, padslots
 from .cache import Entry
 from .flat import FLAT, Flat
 from .keys import GraphKey, key_call
@@ -102,6 +102,7 @@ class Routes:
             return MISS
         entry, run = route.entry, route.run
         if entry.run is not run or engine.given_up is not None or engine.watch.hook_reason \
+                or notify.global_hooks() \
                 or route.capturing() or (_nesting.active and _is_nested()):
             return MISS
         lock = bucketer.slots.lock

@@ -35,7 +35,7 @@ import torch
 
 import autograph.stats as _counting
 
-from . import lifecycle, replay
+from . import lifecycle, notify, replay
 from . import switch as _switch
 from .flat import sharers
 from .keys import _aliases, sharing
@@ -101,10 +101,11 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
     switch, env_set, nesting, is_nested = _switch, _switch.env_set, _nesting, _is_nested
     profiling, functorch, held, observed = _profiling, _functorch, _HELD, _counting
     fwad = _fwad
+    hooks, pre_hooks = notify.GLOBAL_HOOKS, notify.GLOBAL_PRE_HOOKS
 
     def shortcut(args: tuple[Any, ...]) -> Any:
         if (switch._active or env_set() or entry.run is not run
-                or watch.hook_reason is not None
+                or watch.hook_reason is not None or hooks or pre_hooks
                 or (nesting.active and is_nested()) or functorch() or profiling()
                 or fwad._current_level >= 0
                 or not ok() or read_modes() != expected_modes

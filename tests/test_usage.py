@@ -2077,3 +2077,40 @@ def check_containers_changed_in_place_are_seen(device: str = "cpu") -> None:
 
 def test_containers_changed_in_place_are_seen(standin):
     check_containers_changed_in_place_are_seen()
+
+
+def check_global_hooks_registered_through_any_name_are_seen(device: str = "cpu") -> None:
+    """A global module forward (pre-)hook registered after capture through a name
+    imported before autograph wrapped the registration functions: the calls run
+    eagerly while it is registered (replays skipped it), and replay once removed."""
+    from torch.nn.modules import module as mm
+
+    registrations = [mm.__dict__["register_module_forward_hook"],
+                     mm.__dict__["register_module_forward_pre_hook"]]
+    # the unwrapped functions, as a name imported early holds them
+    registrations = [getattr(r, "__wrapped__", r) for r in registrations]
+    hooks = [lambda mod, args, out: out * 2, lambda mod, args: (args[0] * 3,)]
+    model = nn.Linear(4, 4).to(device).eval()
+    x = torch.randn(2, 4, device=device)
+    for register, hook in zip(registrations, hooks):
+        g = autograph.graphed(model)
+        with torch.no_grad():
+            for _ in range(4):
+                torch.testing.assert_close(g(x), model(x))
+            handle = register(hook)
+            try:
+                for _ in range(2):
+                    got = g(x)
+                    with autograph.disabled():
+                        torch.testing.assert_close(got, model(x))
+            finally:
+                handle.remove()
+            for _ in range(2):
+                torch.testing.assert_close(g(x), model(x))
+        s = autograph.stats(g)
+        assert s["eager_reasons"].get("hooks") == 2 and s["replays"] >= 3, s
+        autograph.reset(g)
+
+
+def test_global_hooks_registered_through_any_name_are_seen(standin):
+    check_global_hooks_registered_through_any_name_are_seen()

@@ -59,6 +59,7 @@ from ..test_usage import (
     check_container_arguments_shared_nested_and_returned_twice,
     check_containers_changed_in_place_are_seen,
     check_flags_read_through_classes_and_globals,
+    check_global_hooks_registered_through_any_name_are_seen,
     check_overlapping_outputs_keep_their_layout,
     check_python_attributes_set_on_tensor_arguments,
     check_rebound_globals_are_seen,
@@ -265,3 +266,7 @@ def test_zero_signs_numpy_scalars_and_complex_values_are_guarded():
 
 def test_function_arguments_are_keyed_by_code_and_values():
     check_function_arguments_are_keyed_by_code_and_values("cuda")
+
+
+def test_global_hooks_registered_through_any_name_are_seen():
+    check_global_hooks_registered_through_any_name_are_seen("cuda")

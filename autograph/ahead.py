@@ -170,6 +170,7 @@ def _from_plan(fn: Any, args: tuple[Any, ...], engine: Engine,
         logger.warning("%s: not using the plan %s, it differs in %s", name,
                        os.fspath(path), "; ".join(differ))
         return []
+    engine.check_guards()  # a wrapper not called yet: read its modules' training flags
     hits = section.get("bucket_hits", {})
     keyed = list(zip(section.get("keys", []), section.get("inplace", [])))
     keyed.sort(key=lambda kp: (-hits.get(str(_rows(kp[0])), 0), -_elements(kp[0])))

@@ -271,3 +271,26 @@ def test_plan_keys_without_modes_are_warmed_up_under_the_callers(tmp_path):
         replays = autograph.stats(g)["replays"]
         g(x)
     assert autograph.stats(g)["replays"] == replays + 1
+
+
+def test_a_plan_is_used_by_a_wrapper_not_called_yet(tmp_path):
+    """The next start: a new wrapper of the same model, warmed up from the plan before
+    its first call (its modules' training flags were read as none, so every key was
+    refused), then replaying its first call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
+    x = torch.randn(2, 8)
+    g = autograph.graphed(model)
+    run(g, x)
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    fresh = autograph.graphed(nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval())
+    fresh.load_state_dict(model.state_dict())
+    doc = json.loads(path.read_text())  # the name the new wrapper gets in this process
+    doc["callables"][_name(fresh)] = doc["callables"].pop(_name(g))
+    path.write_text(json.dumps(doc))
+    with torch.no_grad():
+        (entry,) = autograph.warmup(fresh, plan=path)
+        assert entry["captured"], entry
+        torch.testing.assert_close(fresh(x), model(x))
+    assert autograph.stats(fresh)["replays"] == 1, autograph.stats(fresh)

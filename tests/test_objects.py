@@ -831,10 +831,12 @@ def check_a_cache_moved_every_call_runs_eagerly_without_giving_up(device="cpu"):
     cache, mine = KV(), KV()
     for kv in (cache, mine):
         kv.keys, kv.length = kv.keys.to(device), kv.length.to(device)
+    kept = []  # old caches kept alive: no new one takes an old one's address
     with torch.no_grad():
         for _ in range(100):  # reordered after each step, as beam search's cache
             torch.testing.assert_close(g(x, cache)[0], model(x, mine)[0])
             torch.testing.assert_close(cache.keys, mine.keys)
+            kept.append(cache.keys)
             cache.keys = cache.keys.flip(0).clone()
             mine.keys = mine.keys.flip(0).clone()
             cache.length.zero_()

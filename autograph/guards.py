@@ -89,6 +89,8 @@ class Watch:
         self.assigned: str | None = None
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
+        # a scripted module whose code assigns an attribute (notify.script_assigns)
+        self.script_assigns: str | None = None
         self._own: set[int] = set()  # modules whose own hooks run outside the graphs
         self._hooked: Any = None  # what hook_reason names: a module, or notify.GLOBAL
         self._holders: list[Any] = []
@@ -145,6 +147,7 @@ class Watch:
         # the module); every other module does, the ones the code names included
         self._own = set() if self._hooks_of_roots else {id(m) for m in self._roots()}
         self.hook_reason, self._hooked = notify.hooks_reason(list(modules.values()), self._own)
+        self.script_assigns = notify.script_assigns(modules.values())
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
         self._training = None

@@ -127,8 +127,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
 
 def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
     """Raise for what a warmup run showed a graph would get wrong."""
-    if watch.assigned:
-        raise Uncapturable(EagerReason.ASSIGNS, watch.assigned)
+    if watch.assigned or watch.script_assigns:
+        raise Uncapturable(EagerReason.ASSIGNS, watch.assigned or watch.script_assigns or "")
     if host is not None and _host_random_state(device) != host:
         raise Uncapturable(EagerReason.HOST_RANDOM)
     if torch.is_grad_enabled() and requires_grad(out):

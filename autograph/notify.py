@@ -117,6 +117,43 @@ def _wrap_container(owner: Any, name: str) -> None:
     setattr(owner, name, changed)
 
 
+def _wrap_script_setattr() -> None:
+    """A scripted module (``torch.jit.script``) keeps its attributes and ``training``
+    in its C++ object, set past ``nn.Module.__setattr__``: report those too."""
+    script = getattr(torch.jit, "RecursiveScriptModule", None)
+    if script is None or script.__setattr__ is _Module.__setattr__:
+        return
+    original = script.__setattr__
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if id(self) in watched and not self.__dict__.get("_initializing", True):
+            try:
+                old = getattr(self, name)
+            except AttributeError:
+                old = _MISSING
+            if not same(value, old):
+                _notify(self, name, value)
+        original(self, name, value)
+
+    __setattr__.__wrapped__ = original  # type: ignore[attr-defined]
+    script.__setattr__ = __setattr__  # type: ignore[union-attr,method-assign]
+
+
+def script_assigns(modules: Any) -> str | None:
+    """Which scripted module's code assigns one of its attributes (``prim::SetAttr``:
+    ``self.steps += 1`` in TorchScript, which no Python hook sees), or None."""
+    script = getattr(torch.jit, "ScriptModule", None)
+    for m in modules:
+        if script is not None and isinstance(m, script):
+            try:
+                text = str(m.inlined_graph)
+            except Exception:  # noqa: BLE001 - no graph to read: judged by its calls
+                continue
+            if "prim::SetAttr" in text:
+                return f"the scripted {m.original_name} assigns an attribute"
+    return None
+
+
 def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
     ws = watched.get(id(module))
     if ws:
@@ -146,6 +183,7 @@ def install() -> None:
                 _notify(self, name)
             original_del(self, name)
 
+        _wrap_script_setattr()
         __setattr__.__wrapped__ = original_set  # type: ignore[attr-defined]
         __delattr__.__wrapped__ = original_del  # type: ignore[attr-defined]
         _Module.__setattr__ = __setattr__  # type: ignore[method-assign]

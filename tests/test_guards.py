@@ -837,3 +837,62 @@ def check_function_arguments_are_keyed_by_code_and_values(device="cpu"):
 
 def test_function_arguments_are_keyed_by_code_and_values(standin):
     check_function_arguments_are_keyed_by_code_and_values()
+
+
+class _ScriptedScale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.norm(self.lin(x)) * self.scale
+
+
+class _ScriptedCounter(nn.Module):
+    steps: int
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = 0
+
+    def forward(self, x):
+        self.steps += 1
+        return self.lin(x) * float(self.steps)
+
+
+def check_scripted_modules_attributes_and_modes_are_seen(device="cpu"):
+    """A ``torch.jit.script`` module keeps its attributes and ``training`` in its C++
+    object, past ``nn.Module.__setattr__``: an attribute assigned between calls and
+    ``eval()`` on it or its scripted submodule are seen, and a scripted forward that
+    assigns its own attribute runs eagerly (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    scripted = torch.jit.script(_ScriptedScale()).to(device)
+    g = autograph.graphed(scripted)
+    x = torch.randn(3, 4, device=device)
+
+    def same_as_eager():
+        got = g(x)
+        with autograph.disabled():
+            want = scripted(x)
+        torch.testing.assert_close(got, want)
+
+    with torch.no_grad():
+        for change in (lambda: None, lambda: setattr(scripted, "scale", 5.0),
+                       lambda: scripted.norm.eval(), lambda: scripted.train()):
+            change()
+            for _ in range(4):
+                same_as_eager()
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+    counter = torch.jit.script(_ScriptedCounter()).to(device)
+    h = autograph.graphed(counter)
+    with torch.no_grad():
+        for i in range(5):
+            torch.testing.assert_close(h(x), counter.lin(x) * float(i + 1))
+    assert autograph.stats(h)["eager_reasons"].get("assigns_attribute"), autograph.stats(h)
+
+
+def test_scripted_modules_attributes_and_modes_are_seen(standin):
+    check_scripted_modules_attributes_and_modes_are_seen()

@@ -38,6 +38,7 @@ from ..test_guards import (
     check_argument_sharing_written_state,
     check_function_arguments_are_keyed_by_code_and_values,
     check_named_tensors_given_other_memory_in_place_are_seen,
+    check_scripted_modules_attributes_and_modes_are_seen,
     check_written_state_passed_from_the_first_call,
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded,
 )
@@ -270,3 +271,7 @@ def test_function_arguments_are_keyed_by_code_and_values():
 
 def test_global_hooks_registered_through_any_name_are_seen():
     check_global_hooks_registered_through_any_name_are_seen("cuda")
+
+
+def test_scripted_modules_attributes_and_modes_are_seen():
+    check_scripted_modules_attributes_and_modes_are_seen("cuda")

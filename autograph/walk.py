@@ -84,10 +84,10 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
         return ("map", keys, tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
                                    for k, v in x.items()))
     if isinstance(x, _FUNCTIONS) or isinstance(x, type):
-        return _function(x)
+        return _function(x, walked, path, depth, counter)
     if tx is types.MethodType:  # a bound method: made anew at each attribute read
-        return ("method", _function(x.__func__), walk(x.__self__, walked, f"{path}.__self__",
-                                                      depth + 1, counter))
+        return ("method", _function(x.__func__, walked, path, depth, counter),
+                walk(x.__self__, walked, f"{path}.__self__", depth + 1, counter))
     if isinstance(x, functools.partial):
         return ("partial", walk(x.func, walked, f"{path}.func", depth + 1, counter),
                 walk(x.args, walked, f"{path}.args", depth + 1, counter),
@@ -129,20 +129,32 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodWrapper
               types.ClassMethodDescriptorType)
 
 
-def _function(fn: Any) -> Any:
+def _function(fn: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> Any:
     """A function or class for its key: itself (the key holds it: a new one cannot take
-    a freed one's id and with it its graphs), a Python function by its code and the
-    values its closure cells and defaults hold (``lambda t: t * s``: plain values by
-    value, tensors and modules by identity, held too)."""
+    a freed one's id and with it its graphs), a class with its plain values, a Python
+    function by its code and what its closure cells, defaults and the globals its code
+    names hold (Python modules left out), walked as an argument is (``lambda t: t * s``
+    with another ``s``, or an object whose attribute changed, is another key; an
+    ``nn.Module`` there makes the argument unkeyable)."""
+    if isinstance(fn, type):  # a class: with the plain values it holds (``K.k = 5``)
+        plain = tuple((k, walk(v, walked, f"{path}.{k}", depth + 1, counter))
+                      for k, v in vars(fn).items()
+                      if type(v) is float or isinstance(v, (*VALUES, enum.Enum)))
+        return ("class", Held(fn), plain)
     code = getattr(fn, "__code__", None)
     if code is None or type(fn) is not types.FunctionType:
         return Held(fn)
-    cells = tuple(_held(c.cell_contents) if _filled(c) else MISSING_CELL
-                  for c in fn.__closure__ or ())
+    cells = tuple(walk(c.cell_contents, walked, f"{path}.<closure {i}>", depth + 1, counter)
+                  if _filled(c) else MISSING_CELL for i, c in enumerate(fn.__closure__ or ()))
+    defaults = walk((fn.__defaults__, fn.__kwdefaults__), walked, f"{path}.<defaults>",
+                    depth + 1, counter)
+    glb = fn.__globals__
+    read = tuple((name, walk(glb[name], walked, f"{path}.<global {name}>", depth + 1, counter))
+                 for name in code.co_names
+                 if name in glb and not isinstance(glb[name], types.ModuleType))
     # by its code, not itself: a lambda made anew per call with the same values is the
     # same call
-    return ("function", code, Held(fn.__globals__), cells, _held(fn.__defaults__),
-            _held(fn.__kwdefaults__))
+    return ("function", code, Held(glb), cells, defaults, read)
 
 
 MISSING_CELL = ("empty cell",)
@@ -154,20 +166,6 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _held(value: Any) -> Any:
-    """A value held by a function, for its key: plain values by value, containers of
-    them walked, anything else by identity (kept alive in the key)."""
-    if type(value) is float:
-        return (float, value.hex())
-    if isinstance(value, VALUES) or isinstance(value, enum.Enum):
-        return (type(value), value)
-    if type(value) in (tuple, list):
-        return ("seq", type(value), tuple(_held(v) for v in value))
-    if type(value) is dict and all(isinstance(k, str) for k in value):
-        return ("map", tuple(value), tuple(_held(v) for v in value.values()))
-    return Held(value)
 
 
 def _attributes(x: Any) -> dict[str, Any] | None:

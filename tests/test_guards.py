@@ -797,6 +797,13 @@ def test_zero_signs_numpy_scalars_and_complex_values_are_guarded(standin):
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded()
 
 
+class _Knob:
+    k = 0.0
+
+
+_KNOB = _Knob()
+
+
 def check_function_arguments_are_keyed_by_code_and_values(device="cpu"):
     """A function, partial or callable object passed as an argument: a lambda made per
     call (whose freed predecessor's id it may take) is keyed by its code and the
@@ -832,6 +839,14 @@ def check_function_arguments_are_keyed_by_code_and_values(device="cpu"):
         for i in range(12):
             scale.s = float(i // 4)
             torch.testing.assert_close(g(x, scale), x * scale.s)
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+    # what a lambda made per call reads: a global object's attribute, a class value
+    g = autograph.graphed(apply)
+    with torch.no_grad():
+        for i in range(12):
+            _Knob.k = _KNOB.s = float(i // 4)
+            for fn in (lambda t: t * _KNOB.s, lambda t: t * _Knob.k):
+                torch.testing.assert_close(g(x, fn), x * _KNOB.s)
     assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
 
 

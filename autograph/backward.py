@@ -135,12 +135,30 @@ class _Call:
     """One call of a training graph: whether its backward may still run (``alive``, a
     weak reference to a token it saved for backward) and its spilled state."""
 
-    __slots__ = ("alive", "spilled", "done")
+    __slots__ = ("alive", "spilled", "done", "saved")
 
     def __init__(self, alive: Callable[[], Any]) -> None:
         self.alive = alive
         self.spilled: list[torch.Tensor] | None = None
         self.done: frozenset[int] = frozenset()  # the outputs backpropagated (indexes)
+        # what the call saved and its version counters at its last backward that found
+        # them (autograd frees them then): a later backward through other outputs
+        # checks them as autograd would have
+        self.saved: tuple[tuple[torch.Tensor, ...], list[int | None]] | None = None
+
+    def keep_versions(self, saved: tuple[torch.Tensor, ...]) -> None:
+        self.saved = (saved, versions.versions(saved))
+
+    def unchanged(self) -> None:
+        """Raise as autograd does where a tensor the call saved was written in place
+        since its last checked backward."""
+        if self.saved is not None:
+            tensors, then = self.saved
+            if versions.versions(tensors) != then:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been "
+                    "modified by an inplace operation (saved by a graphed call whose "
+                    "earlier backward went through other outputs)")
 
 
 class Trained(replay.Captured):
@@ -390,7 +408,7 @@ class Trained(replay.Captured):
         self.owner = call
 
     # -- backward --------------------------------------------------------------------
-    def replay_backward(self, call: _Call, grads: tuple[Any, ...]
+    def replay_backward(self, call: _Call, grads: tuple[Any, ...], fresh: bool = True
                         ) -> list[torch.Tensor | None]:
         """The gradients of the targets for ``call``: the hand-out backward graph's,
         the spare's while an earlier call's gradients are held, else (no graph
@@ -400,7 +418,10 @@ class Trained(replay.Captured):
         ``sqrt`` at 0) and give targets only they reach a gradient."""
         wanted = [grads[k] for k in self.diff]
         used = tuple(k for k, g in enumerate(wanted) if g is not None)
-        call.done = call.done.union(self.diff[k] for k in used)
+        # the outputs backpropagated since what the call saved was last at hand (a
+        # backward that found it may have freed it, ``retain_graph`` or not)
+        now = frozenset(self.diff[k] for k in used)
+        call.done = now if fresh else call.done | now
         if len(used) < len(wanted):
             wanted = [wanted[k] for k in used]
         # gradients batched by a torch.func transform: a graph cannot take them
@@ -464,17 +485,25 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
+        graph, call = ctx.graph, ctx.call
         try:
-            ctx.saved_tensors  # noqa: B018 - autograd's check: a saved parameter changed raises
+            saved = ctx.saved_tensors  # autograd's check: a saved parameter changed raises
         except RuntimeError as exc:
             # freed by an earlier backward through other outputs (``a.sum().backward();
             # b.sum().backward()``, eager's way with branches that share no saved
-            # tensor): fine while the graph still holds this call's state
-            if "second time" not in str(exc) or not ctx.graph.holds(ctx.call, grads):
+            # tensor): fine while the graph still holds this call's state and nothing
+            # saved changed since (checked as autograd would have)
+            if "second time" not in str(exc) or not graph.holds(call, grads):
                 raise
+            call.unchanged()
+            fresh = False
+        else:
+            fresh = True
+            if len(graph.diff) > 1:  # a later backward through other outputs may come
+                call.keep_versions(saved[1:])
         if torch.is_grad_enabled():  # create_graph=True: gradients with a history
-            return (None, None, None, *recompute.gradients(ctx.graph, ctx.leaves, grads))
-        return (None, None, None, *ctx.graph.replay_backward(ctx.call, grads))
+            return (None, None, None, *recompute.gradients(graph, ctx.leaves, grads))
+        return (None, None, None, *graph.replay_backward(call, grads, fresh))
 
 
 _functorch_active = torch._C._are_functorch_transforms_active

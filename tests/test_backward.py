@@ -1618,6 +1618,19 @@ def check_separate_backwards_through_independent_outputs(device: str = "cpu") ->
     pi.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         pi.sum().backward()
+    # the first backward retained: each output once more after the other's
+    pi, v = g(torch.randn(4, 8, device=device))
+    pi.sum().backward(retain_graph=True)
+    v.sum().backward()
+    pi.sum().backward()
+    # a weight written in place between the two: the second raises, as in eager mode
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    pi, v = g(x)
+    pi.sum().backward()
+    with torch.no_grad():
+        model.critic.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        v.sum().backward()
 
 
 def test_separate_backwards_through_independent_outputs():

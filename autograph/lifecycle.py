@@ -84,6 +84,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     shapes = _geometry(flat.leaves, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs) if learn else []
     refs = watch.ref_values() if learn else None
+    state = list(watch.tensors()) if learn else []
+    tags = [_attributes(t) for t in state]
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.assigned = None
@@ -108,6 +110,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         _check(watch, out, host, device)
         _check_objects(flat)
         _check_geometry(flat.leaves, flat.tensor_pos, shapes)
+        if learn:
+            _check_attributes(out, flat, state, tags)
         if snap:
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
@@ -170,6 +174,22 @@ def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[
         if _attributes(t) != was[3]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call sets a Python attribute of "
                                f"tensor argument {i}")
+
+
+def _check_attributes(out: Any, flat: Flat, state: list[torch.Tensor],
+                      before: list[tuple[tuple[str, int], ...]]) -> None:
+    """Raise if the call set a Python attribute on a parameter or buffer
+    (``w.calls += 1``) or on an output it made (``y.tag = ...``): a replay would not,
+    and hands out copies of its outputs."""
+    for t, then in zip(state, before):
+        if _attributes(t) != then:
+            raise Uncapturable(EagerReason.ASSIGNS, "the call sets a Python attribute of a "
+                               "parameter or buffer")
+    given = {id(flat.leaves[i]) for i in flat.tensor_pos} | {id(t) for t in state}
+    for t in pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor) and id(t) not in given and t.__dict__:
+            raise Uncapturable(EagerReason.OUTPUT, "an output carries Python attributes "
+                               "(a replay hands out copies without them)")
 
 
 def _has_history(out: Any) -> bool:

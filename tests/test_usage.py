@@ -2114,3 +2114,34 @@ def check_global_hooks_registered_through_any_name_are_seen(device: str = "cpu")
 
 def test_global_hooks_registered_through_any_name_are_seen(standin):
     check_global_hooks_registered_through_any_name_are_seen()
+
+
+def check_python_attributes_set_on_outputs_and_parameters(device: str = "cpu") -> None:
+    """A call that tags an output it makes (``y.tag = ...``) or counts on a parameter
+    (``w.calls += 1``) runs eagerly: replays handed out untagged copies and skipped the
+    count."""
+
+    def tag(x):
+        y = x * 2
+        y.tag = "made"
+        return y
+
+    lin = nn.Linear(3, 3).to(device)
+    lin.weight.calls = 0
+
+    def count(x):
+        lin.weight.calls += 1
+        return lin(x)
+
+    for fn in (tag, count):
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(5):
+                out = g(torch.randn(2, 3, device=device))
+                assert fn is not tag or out.tag == "made"
+        assert autograph.stats(g)["replays"] == 0, autograph.stats(g)
+    assert lin.weight.calls == 5
+
+
+def test_python_attributes_set_on_outputs_and_parameters(standin):
+    check_python_attributes_set_on_outputs_and_parameters()

@@ -62,6 +62,7 @@ from ..test_usage import (
     check_flags_read_through_classes_and_globals,
     check_global_hooks_registered_through_any_name_are_seen,
     check_overlapping_outputs_keep_their_layout,
+    check_python_attributes_set_on_outputs_and_parameters,
     check_python_attributes_set_on_tensor_arguments,
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
@@ -275,3 +276,7 @@ def test_global_hooks_registered_through_any_name_are_seen():
 
 def test_scripted_modules_attributes_and_modes_are_seen():
     check_scripted_modules_attributes_and_modes_are_seen("cuda")
+
+
+def test_python_attributes_set_on_outputs_and_parameters():
+    check_python_attributes_set_on_outputs_and_parameters("cuda")

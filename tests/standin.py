@@ -39,6 +39,23 @@ HOST_SYNCS = {
 }
 
 
+# operators whose output size depends on the data: the host reads it on the device
+for _name in ("_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount"):
+    if hasattr(aten, _name):
+        HOST_SYNCS.add(getattr(aten, _name).default)
+_MASK_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                  aten._index_put_impl_.default}
+
+
+def _mask_indexed(func: Any, args: Any) -> bool:
+    """Whether ``func`` indexes with a boolean mask (``x[x > 0]``), which on the device
+    counts the mask's true entries on the host."""
+    if func not in _MASK_INDEXING or len(args) < 2:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
+               for i in args[1] if i is not None)
+
+
 _INPLACE_VIEW = getattr(torch.Tag, "inplace_view", None)
 
 
@@ -88,7 +105,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in HOST_SYNCS:
+        if func in HOST_SYNCS or _mask_indexed(func, args):
             raise CaptureError(f"{func} is not permitted while the stream is capturing")
         if _INPLACE_VIEW is not None and _INPLACE_VIEW in func.tags:
             # a metadata change (``transpose_``): no kernel; the replay puts back the

@@ -399,7 +399,12 @@ class Trained(replay.Captured):
         self.backend.order_replay(self.device, self.pool)
         if self._pending():
             self._spill()
+        # putting back what was there is no write autograd should see: a saved
+        # ``chunk`` of an output shares that output's version counter, and autograd
+        # refuses a multi-output view whose base changed
+        counters = versions.versions(spill)
         copy_all(spill, spilled)
+        versions.set_versions(spill, counters)
         if self.device.type == "cuda":  # freed below: not reused before the copy ran
             stream = torch.cuda.current_stream(self.device)
             for t in spilled:

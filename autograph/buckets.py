@@ -213,7 +213,14 @@ class Bucketer:
         try:
             for x in (*args, *kwargs.values()):
                 parts.append(x.dtype if isinstance(x, torch.Tensor) else leaf_key(x))
-        except Uncapturable:
+        except Uncapturable as exc:
+            # (a list of caches: the padding check could not see padded rows write
+            # into them) one graph per batch size, said once
+            if self.stats.padding is None:
+                self.stats.padding = (f"padding off for calls with an argument it cannot "
+                                      f"check ({exc.detail or exc.reason.message}); one "
+                                      f"graph per batch size")
+                logger.info("%s: %s", self.stats.name, self.stats.padding)
             return None
         return (len(args), tuple(kwargs), tuple(parts))
 

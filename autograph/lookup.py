@@ -33,7 +33,14 @@ def _bound_handle(obj: Any, make: bool) -> Handle | None:
 
 
 def _is_graphed(obj: Any) -> bool:
-    return isinstance(obj, GraphedFunction) or _graphed_parent(obj) is not None
+    return isinstance(obj, GraphedFunction) or _graphed_parent(obj) is not None \
+        or _graphed_forward(obj) is not None
+
+
+def _graphed_forward(obj: Any) -> GraphedFunction | None:
+    """The graphed ``forward`` of ``obj``'s class (``@autograph.graphed`` on it), if any."""
+    forward = inspect.getattr_static(type(obj), "forward", None)
+    return forward if isinstance(forward, GraphedFunction) else None
 
 
 def _engines_of(obj: Any) -> list[Engine]:
@@ -47,6 +54,10 @@ def _engines_of(obj: Any) -> list[Engine]:
         return [handle.engine] if handle is not None else []
     if isinstance(obj, GraphedFunction):
         return obj._self_dispatch.engines()
+    forward = _graphed_forward(obj)
+    if forward is not None:  # an instance (made by copy.deepcopy too): its own engine
+        item = forward._self_dispatch.instances.get(id(obj))
+        return [item[1].engine] if item is not None and item[0]() is obj else []
     return [e for e in live_engines() if any(r is obj for r in e.watch.roots())]
 
 
@@ -61,8 +72,8 @@ def handle_of(obj: Any) -> Handle:
     if isinstance(obj, GraphedFunction):
         dispatch = obj._self_dispatch
         return dispatch.handle or dispatch._function_engine(obj.__wrapped__)
-    forward = inspect.getattr_static(type(obj), "forward", None)
-    if isinstance(forward, GraphedFunction):
+    forward = _graphed_forward(obj)
+    if forward is not None:
         dispatch = forward._self_dispatch
         item = dispatch.instances.get(id(obj))
         if item is None or item[0]() is not obj:

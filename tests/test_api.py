@@ -180,3 +180,27 @@ def test_reset_by_object():
     autograph.reset()
     with pytest.raises(TypeError, match="not graphed"):
         autograph.reset(nn.Linear(2, 2))
+
+
+def test_stats_of_an_instance_with_a_graphed_forward_not_called_yet(standin):
+    """An instance (a deepcopy of a called one too) whose class's forward is graphed
+    has zero counters before its first call, not a "not graphed" error."""
+    import copy
+
+    class Decorated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = torch.nn.Linear(5, 3)
+
+        @autograph.graphed
+        def forward(self, x):
+            return self.f(x)
+
+    fresh = Decorated()
+    assert autograph.stats(fresh)["calls"] == 0
+    called = Decorated()
+    called(torch.randn(2, 5))
+    twin = copy.deepcopy(called)
+    assert autograph.stats(twin)["calls"] == 0 and autograph.stats(called)["calls"] == 1
+    twin(torch.randn(2, 5))
+    assert autograph.stats(twin)["calls"] == 1

@@ -1675,3 +1675,38 @@ def check_saved_tensors_with_internal_overlap_are_spilled(device: str = "cpu") -
 
 def test_saved_tensors_with_internal_overlap_are_spilled():
     check_saved_tensors_with_internal_overlap_are_spilled()
+
+
+class _Gaussian(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+
+    def forward(self, o):
+        mu, s = self.f(o).chunk(2, -1)  # softplus saves ``s``, a chunk of the output
+        return mu, nn.functional.softplus(s)
+
+
+def check_chunked_outputs_of_a_pending_call(device: str = "cpu") -> None:
+    """A Gaussian policy returning pieces of one ``chunk``, called twice before one
+    backward: putting the first call's saved state back bumped the pieces' shared
+    version counter, and autograd refused the multi-output view (the backward
+    raised where eager's runs)."""
+    torch.manual_seed(0)
+    eager = _Gaussian().to(device)
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model)
+    for _ in range(6):
+        xs = [torch.randn(1, 4, device=device) for _ in range(2)]
+        for m, call in ((eager, eager), (model, g)):
+            m.zero_grad(set_to_none=True)
+            (mu1, sd1), (mu2, sd2) = call(xs[0]), call(xs[1])
+            ((mu1 * sd1).sum() + (mu2 * sd2).sum()).backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["backward_spills"] >= 3, s
+
+
+def test_chunked_outputs_of_a_pending_call():
+    check_chunked_outputs_of_a_pending_call()

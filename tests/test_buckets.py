@@ -404,3 +404,20 @@ def check_boolean_integer_and_non_batch_arguments_in_the_padding_check(device="c
 
 def test_boolean_integer_and_non_batch_arguments_in_the_padding_check(standin):
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check()
+
+
+def test_an_argument_the_padding_check_cannot_see_says_so(standin):
+    """A list of caches beside the batch: padding stays off for such calls (the check
+    would not see padded rows write into them), and ``stats()`` says why."""
+
+    @autograph.graphed(buckets=[4, 8])
+    def step(x, caches):
+        return x * 2 + caches[0].sum()
+
+    caches = [torch.ones(2)]
+    with torch.no_grad():
+        for n in (3, 5, 3, 3):
+            x = torch.randn(n, 2)
+            torch.testing.assert_close(step(x, caches), x * 2 + 2)
+    s = autograph.stats(step)
+    assert s["buckets"] == {} and "argument of type list" in s["padding"], s

@@ -13,6 +13,7 @@ from ..test_backward import (
     check_a_detached_output_aliases_its_base,
     check_a_parameter_frozen_between_forward_and_backward,
     check_another_threads_backward_is_not_the_calls,
+    check_chunked_outputs_of_a_pending_call,
     check_eager_steps_before_graphed_training,
     check_forward_ad_and_batched_gradients,
     check_grad_enabled_inside_under_no_grad,
@@ -280,3 +281,7 @@ def test_scripted_modules_attributes_and_modes_are_seen():
 
 def test_python_attributes_set_on_outputs_and_parameters():
     check_python_attributes_set_on_outputs_and_parameters("cuda")
+
+
+def test_chunked_outputs_of_a_pending_call():
+    check_chunked_outputs_of_a_pending_call("cuda")

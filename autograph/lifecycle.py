@@ -138,6 +138,9 @@ def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
     if torch.is_grad_enabled() and requires_grad(out):
         raise Uncapturable(EagerReason.AUTOGRAD, "an output requires grad (a tensor the "
                            "call reads requires grad)")
+    if out is not None and any(isinstance(t, torch.Tensor) and (
+            t.layout is not torch.strided or t.is_nested) for t in pytree.tree_leaves(out)):
+        raise Uncapturable(EagerReason.OUTPUT, "a sparse or nested output")
     if out is not None and _has_history(out):  # grad turned on inside, under no_grad
         raise Uncapturable(EagerReason.AUTOGRAD, "an output has autograd history (the call "
                            "enables grad inside)")

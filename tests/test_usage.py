@@ -2145,3 +2145,25 @@ def check_python_attributes_set_on_outputs_and_parameters(device: str = "cpu") -
 
 def test_python_attributes_set_on_outputs_and_parameters(standin):
     check_python_attributes_set_on_outputs_and_parameters()
+
+
+def check_sparse_and_nested_outputs_run_eagerly(device: str = "cpu") -> None:
+    """A call returning a sparse or nested tensor runs eagerly (`unsupported_output`):
+    building its outputs at the capture raised from autograph's own code."""
+    fns = [lambda x: x.to_sparse(), lambda x: (x * 2, x.to_sparse_csr()),
+           lambda x: torch.nested.as_nested_tensor([x, x[:2]])]
+    for fn in fns:
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(4, 4, device=device).relu()
+                got, want = g(x), fn(x)
+                for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+                    if a.is_nested:
+                        a, b = a.to_padded_tensor(0.0), b.to_padded_tensor(0.0)
+                    torch.testing.assert_close(a.to_dense(), b.to_dense())
+        assert autograph.stats(g)["eager_reasons"].get("unsupported_output"), autograph.stats(g)
+
+
+def test_sparse_and_nested_outputs_run_eagerly(standin):
+    check_sparse_and_nested_outputs_run_eagerly()

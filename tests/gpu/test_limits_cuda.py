@@ -68,6 +68,7 @@ from ..test_usage import (
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
     check_running_statistics_written_under_inference_mode,
+    check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
     check_written_conjugate_and_negative_views,
 )
@@ -285,3 +286,7 @@ def test_python_attributes_set_on_outputs_and_parameters():
 
 def test_chunked_outputs_of_a_pending_call():
     check_chunked_outputs_of_a_pending_call("cuda")
+
+
+def test_sparse_and_nested_outputs_run_eagerly():
+    check_sparse_and_nested_outputs_run_eagerly("cuda")

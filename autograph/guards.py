@@ -107,6 +107,7 @@ class Watch:
         self._last_grad: Any = None  # a weak reference to a tensor that required grad
         self._modules: list[Any] = []  # weak references to the watched modules
         self._training: tuple[bool, ...] | None = None
+        self.training_changes = 0  # assignments of a watched module's training flag
         self.__weakref__: Any
 
     # -- building -----------------------------------------------------------------
@@ -376,6 +377,7 @@ class Watch:
     def _on_assign(self, module: nn.Module, name: str, swap: bool = False) -> None:
         if name == "training":
             self._training = None  # read again at the next call: it is in the key
+            self.training_changes += 1  # (a capture under way compares it)
             return
         if self in getattr(_local, "running", ()):
             self.assigned = f"{type(module).__name__}.{name}"

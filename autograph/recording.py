@@ -22,6 +22,7 @@ from .capture import Backend
 from .flat import Flat
 from .keys import GraphKey
 from .known_types import keyer_for
+from .modes import modes
 from .mutation import storage_ptr
 from .objects import ObjectKey
 from .vocab import Action, EagerReason, State, Uncapturable, logger
@@ -29,6 +30,7 @@ from .vocab import Action, EagerReason, State, Uncapturable, logger
 if TYPE_CHECKING:  # the engine calls in; this module never calls it at import
     from .dispatch import Engine
 
+CHANGED_DURING = "the modes or training flags changed while it was captured"
 # After this many keys given up after failed captures, with no replay ever, a callable
 # stops trying (``Engine.given_up``).
 GIVE_UP_FAILURES = 3
@@ -88,6 +90,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         start = time.perf_counter()
         before = backend.memory_reserved(device)
         inplace = engine.cache.in_place(key, flat)
+        changes = engine.watch.training_changes
         run_capture = (training.capturer(stats) if _trains(engine, key, entry, flat)
                        else lifecycle.capture)
         try:
@@ -115,6 +118,12 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             # one succeeds (they write as eager does), then capture
             entry.runs, entry.direct, entry.warm_first = 0, False, True
             raise
+        if modes(device) != key.modes or engine.watch.training_changes != changes:
+            # another thread changed a process-wide flag (the default dtype, matmul
+            # precision) or a module's training flag while this call was captured: the
+            # graph may have baked in either; dropped, the next call captures again
+            stats.count_eager(EagerReason.WARMUP, CHANGED_DURING, warn=False)
+            return engine.eager(*flat.call())
         shared = _sharing_state(captured, flat, inplace)
         if shared:  # a copied argument is memory the graph writes as state: capture it
             engine.cache.rekey(key, entry, flat, shared)  # in place (the next call); this

@@ -42,3 +42,53 @@ def test_many_threads_one_module_several_shapes():
     assert len(ptrs) == len(outputs)  # nobody shares an output buffer
     s = autograph.stats(g)
     assert s["calls"] == 200 and s["graphs"] == 3 and s["replays"] > 150
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.l(x)
+        return y + torch.ones(x.shape[0], 1) if self.training else y
+
+
+@pytest.mark.parametrize("change", ["train", "default_dtype"])
+def test_a_flag_changed_by_another_thread_during_a_capture_drops_that_graph(
+        standin, monkeypatch, change):
+    """Another thread calls ``model.train()`` or ``torch.set_default_dtype`` while a
+    call is captured (here: inside the capture itself) and sets it back: the graph may
+    have baked in either, so it is dropped and the next call captures again; every
+    call equals eager (the graph kept the training branch, or float64 outputs)."""
+    model = _Branchy().eval()
+    g = autograph.graphed(model, warmup=1)
+    original = standin.capture
+    flipped = []
+
+    def capture(device, fn, *args, **kwargs):
+        def racing():
+            if not flipped:  # once: the other thread's change, mid-capture
+                flipped.append(True)
+                if change == "train":
+                    model.train()
+                else:
+                    torch.set_default_dtype(torch.float64)
+            return fn()
+        try:
+            return original(device, racing, *args, **kwargs)
+        finally:
+            if change == "train":  # set back at once: the flag reads as at the key
+                model.eval()
+
+    monkeypatch.setattr(standin, "capture", capture)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(5):
+            got = g(x)
+            torch.set_default_dtype(torch.float32)  # set back after the capture ended
+            with autograph.disabled():
+                want = model(x)
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got, want)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)

@@ -174,7 +174,11 @@ class CudaBackend:
         caller = torch.cuda.current_stream(_index(device))
         for leaf in torch.utils._pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-                leaf.record_stream(caller)
+                if leaf.layout is torch.strided and not leaf.is_nested:
+                    leaf.record_stream(caller)
+                else:  # sparse or nested: no record_stream of their own (such a call
+                    for part in _parts(leaf):  # runs eagerly from now on)
+                        part.record_stream(caller)
 
     def capture(self, device: torch.device, fn: Callable[[], T],
                 pool: Pool | None = None, rng_free: bool = False) -> tuple[Graph, T]:
@@ -364,3 +368,21 @@ def use_backend(backend: Backend) -> Callable[[], None]:
         _by_device.clear()
 
     return undo
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The strided tensors a sparse or nested tensor keeps its memory in (none where
+    this torch does not say: every later use of the side stream waits for the caller's
+    first, so recording is a precaution)."""
+    getters = {torch.sparse_coo: ("_indices", "_values"),
+               torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+               torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+               torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+               torch.sparse_bsc: ("ccol_indices", "row_indices", "values")}
+    names = getters.get(t.layout, ())
+    try:
+        if t.is_nested:
+            return [t.values()] if t.layout is torch.jagged else []
+        return [getattr(t, name)() for name in names]
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return []

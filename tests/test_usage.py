@@ -2167,3 +2167,16 @@ def check_sparse_and_nested_outputs_run_eagerly(device: str = "cpu") -> None:
 
 def test_sparse_and_nested_outputs_run_eagerly(standin):
     check_sparse_and_nested_outputs_run_eagerly()
+
+
+def test_the_memory_parts_of_sparse_outputs_are_found():
+    """A warmup's outputs are recorded on the caller's stream (``after_warmup``);
+    sparse tensors have no ``record_stream`` of their own (on CUDA it raised from a
+    warmup whose call returned one), so their indices and values are recorded."""
+    from autograph.capture import _parts
+
+    x = torch.randn(3, 3).relu()
+    assert [p.shape for p in _parts(x.to_sparse())] == [x.to_sparse()._indices().shape,
+                                                         x.to_sparse()._values().shape]
+    assert len(_parts(x.to_sparse_csr())) == 3
+    assert _parts(torch.nested.as_nested_tensor([x, x[:2]])) == []  # no parts: skipped

@@ -222,7 +222,7 @@ def hooks_reason(modules: list[nn.Module], skip: set[int]) -> tuple[str | None, 
     """Why module hooks forbid capture (a hook's Python side effects would not replay;
     the hooks of the modules in ``skip`` run outside the graphs), and what has them: a
     weak reference to the module, or GLOBAL."""
-    if _global_hooks():
+    if global_hooks():
         return "global module forward hooks are registered", GLOBAL
     for m in modules:
         if id(m) in skip:
@@ -230,13 +230,6 @@ def hooks_reason(modules: list[nn.Module], skip: set[int]) -> tuple[str | None, 
         if m._forward_hooks or m._forward_pre_hooks:
             return f"{type(m).__name__} has forward hooks", weakref.ref(m)
     return None, None
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as mm
-
-    return bool(getattr(mm, "_global_forward_hooks", None)
-                or getattr(mm, "_global_forward_pre_hooks", None))
 
 
 def _global_dicts() -> tuple[dict[Any, Any], dict[Any, Any]]:
@@ -260,6 +253,6 @@ def global_hooks() -> bool:
 def still_hooked(hooked: Any) -> bool:
     """Whether what a hook reason named (see hooks_reason) still has forward hooks."""
     if hooked is GLOBAL:
-        return _global_hooks()
+        return global_hooks()
     m = hooked() if hooked is not None else None
     return m is not None and bool(m._forward_hooks or m._forward_pre_hooks)

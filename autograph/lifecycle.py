@@ -107,11 +107,12 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     try:
         if reads is not None and recorder is not None:  # first: training ignores AUTOGRAD
             reads.check(recorder.seeded)
-        _check(watch, out, host, device)
+        tensors = _tensor_leaves(out)
+        _check(watch, tensors, host, device)
         _check_objects(flat)
         _check_geometry(flat.leaves, flat.tensor_pos, shapes)
         if learn:
-            _check_attributes(out, flat, state, tags)
+            _check_attributes(tensors, flat, state, tags)
         if snap:
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
@@ -129,19 +130,24 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
                   seconds, problem)
 
 
-def _check(watch: Watch, out: Any, host: Any, device: torch.device) -> None:
-    """Raise for what a warmup run showed a graph would get wrong."""
+def _tensor_leaves(out: Any) -> list[torch.Tensor]:
+    """The tensors among a call's outputs (one walk serves every check of them)."""
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.device) -> None:
+    """Raise for what a warmup run showed a graph would get wrong (``outs``: the
+    output tensors)."""
     if watch.assigned or watch.script_assigns:
         raise Uncapturable(EagerReason.ASSIGNS, watch.assigned or watch.script_assigns or "")
     if host is not None and _host_random_state(device) != host:
         raise Uncapturable(EagerReason.HOST_RANDOM)
-    if torch.is_grad_enabled() and requires_grad(out):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in outs):
         raise Uncapturable(EagerReason.AUTOGRAD, "an output requires grad (a tensor the "
                            "call reads requires grad)")
-    if out is not None and any(isinstance(t, torch.Tensor) and (
-            t.layout is not torch.strided or t.is_nested) for t in pytree.tree_leaves(out)):
+    if any(t.layout is not torch.strided or t.is_nested for t in outs):
         raise Uncapturable(EagerReason.OUTPUT, "a sparse or nested output")
-    if out is not None and _has_history(out):  # grad turned on inside, under no_grad
+    if any(t.grad_fn is not None for t in outs):  # grad turned on inside, under no_grad
         raise Uncapturable(EagerReason.AUTOGRAD, "an output has autograd history (the call "
                            "enables grad inside)")
 
@@ -179,7 +185,7 @@ def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[
                                f"tensor argument {i}")
 
 
-def _check_attributes(out: Any, flat: Flat, state: list[torch.Tensor],
+def _check_attributes(outs: list[torch.Tensor], flat: Flat, state: list[torch.Tensor],
                       before: list[tuple[tuple[str, int], ...]]) -> None:
     """Raise if the call set a Python attribute on a parameter or buffer
     (``w.calls += 1``) or on an output it made (``y.tag = ...``): a replay would not,
@@ -189,17 +195,10 @@ def _check_attributes(out: Any, flat: Flat, state: list[torch.Tensor],
             raise Uncapturable(EagerReason.ASSIGNS, "the call sets a Python attribute of a "
                                "parameter or buffer")
     given = {id(flat.leaves[i]) for i in flat.tensor_pos} | {id(t) for t in state}
-    for t in pytree.tree_leaves(out):
-        if isinstance(t, torch.Tensor) and id(t) not in given and t.__dict__:
+    for t in outs:
+        if id(t) not in given and t.__dict__:
             raise Uncapturable(EagerReason.OUTPUT, "an output carries Python attributes "
                                "(a replay hands out copies without them)")
-
-
-def _has_history(out: Any) -> bool:
-    """Whether an output was recorded by autograd (has a ``grad_fn``): a plain graph's
-    clone of it would have none."""
-    return any(isinstance(t, torch.Tensor) and t.grad_fn is not None
-               for t in pytree.tree_leaves(out))
 
 
 def _check_objects(flat: Flat) -> None:
@@ -333,7 +332,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if rng_free and recorder.seeded:  # its numbers would be frozen into the graph
         raise RandomFound()
     reads.check(recorder.seeded)
-    _check(watch, None, host, device)
+    _check(watch, [], host, device)
     _check_objects(flat)
     _check_geometry(substituted, flat.tensor_pos, shapes)
     syncs = containers.changes(snap, out) if snap else ()

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 
 from . import gradgraph, lifecycle, replay
 from .backward import Trained
+from .buffers import _overlaps
 from .capture import Backend, OnPool
 from .flat import Flat
 from .guards import Watch
@@ -265,14 +266,11 @@ def _with_ctx_tensors(spill: list[torch.Tensor], outs: list[torch.Tensor], own: 
     return list(extra.values())
 
 
-_overlap: Any = getattr(torch, "_debug_has_internal_overlap", None)
-
-
 def _spillable(t: torch.Tensor) -> torch.Tensor:
     """``t``, or where elements of it share memory (an expanded view, BERT's default
     ``token_type_ids``) the dense span of its storage it covers: a copy cannot be
     written back into a tensor that overlaps itself."""
-    if _overlap is None or not _overlap(t):
+    if not _overlaps(t):
         return t
     low = t.storage_offset()
     high = low + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))

@@ -43,14 +43,21 @@ class _Dispatch:
         self.prebound = not self.bound and getattr(fn, "__self__", None) is not None
         self.handle: Handle | None = None
         self.instances: dict[int, tuple[weakref.ref[Any], Handle]] = {}
+        # a classmethod decorated in the class body: one engine per class it is called
+        # on (``B.scale`` binds ``cls=B``; its class values are guarded per class)
+        self.classes: dict[type, Handle] = {}
         self.lock = threading.Lock()
 
     def __call__(self, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> Any:
-        if instance is None or isinstance(instance, type):
+        if instance is None:
             handle = self.handle
             if handle is None:
                 handle = self._function_engine(wrapped)
+        elif isinstance(instance, type):
+            handle = self.classes.get(instance)  # type: ignore[assignment]
+            if handle is None:
+                handle = self._class_engine(wrapped, instance)
         else:
             item = self.instances.get(id(instance))
             if item is None or item[0]() is not instance:
@@ -66,6 +73,19 @@ class _Dispatch:
                 self.handle = make_engine(wrapped, self.options, name, list, code,
                                           False, method=method)
             return self.handle
+
+    def _class_engine(self, wrapped: Callable[..., Any], cls: type) -> Handle:
+        """The engine of calls bound to ``cls``: ``wrapped`` is the method wrapt bound
+        to it (a classmethod's ``cls``, fixed), so the values its code reads of the
+        class are guarded as for ``graphed(A.scale)``."""
+        with self.lock:
+            handle = self.classes.get(cls)
+            if handle is None:
+                fn_name = getattr(_code_of(self.fn)[0], "__name__", "call")
+                handle = self.classes[cls] = make_engine(
+                    wrapped, self.options, f"{cls.__qualname__}.{fn_name}", list, wrapped,
+                    False, method=False)
+            return handle
 
     def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Handle]:
         key = id(instance)
@@ -109,6 +129,7 @@ class _Dispatch:
 
     def engines(self) -> list[Engine]:
         out = [item[1].engine for item in list(self.instances.values())]
+        out += [handle.engine for handle in list(self.classes.values())]
         return out + ([self.handle.engine] if self.handle is not None else [])
 
 
@@ -146,10 +167,16 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
         """Drop the graphs of this instance's method (of every instance, looked up on the
         class)."""
         instance = self._self_instance
+        dispatch = self._self_parent._self_dispatch
         if instance is None:
             self._self_parent.reset()
             return
-        item = self._self_parent._self_dispatch.instances.get(id(instance))
+        if isinstance(instance, type):  # a classmethod looked up on a class
+            handle = dispatch.classes.get(instance)
+            if handle is not None:
+                handle.engine.reset()
+            return
+        item = dispatch.instances.get(id(instance))
         if item is not None and item[0]() is instance:
             item[1].engine.reset()
 

@@ -1986,6 +1986,38 @@ def test_state_bound_by_partials_defaults_and_classmethods(standin):
     check_state_bound_by_partials_defaults_and_classmethods()
 
 
+def check_classmethods_decorated_in_the_class_body(device: str = "cpu") -> None:
+    """``@autograph.graphed`` on a classmethod in the class body (either order with
+    ``@classmethod``): a subclass's call binds the subclass (the first class called
+    used to be bound for all, even under ``disabled()``) and class values are guarded."""
+    for outer in (True, False):
+        def scale(cls, x):
+            return x * cls.factor
+
+        method = classmethod(autograph.graphed(scale)) if outer else \
+            autograph.graphed(classmethod(scale))
+        base = type("Base", (), {"factor": 3.0, "scale": method})
+        sub = type("Sub", (base,), {"factor": 5.0})
+        with torch.no_grad():
+            for step in range(7):
+                if step == 4:
+                    base.factor = 4.0
+                x = torch.randn(3, device=device)
+                torch.testing.assert_close(base.scale(x), x * base.factor)
+                torch.testing.assert_close(sub.scale(x), x * sub.factor)
+                with autograph.disabled():
+                    torch.testing.assert_close(sub.scale(x), x * sub.factor)
+        s = autograph.stats()
+        assert s["Sub.scale"]["replays"] >= 3, s["Sub.scale"]
+        assert s["Base.scale"]["replays"] >= 1, s["Base.scale"]
+        assert not s["Sub.scale"]["eager_reasons"].get("bad_arguments"), s["Sub.scale"]
+        autograph.reset()
+
+
+def test_classmethods_decorated_in_the_class_body(standin):
+    check_classmethods_decorated_in_the_class_body()
+
+
 def check_running_statistics_written_under_inference_mode(device: str = "cpu") -> None:
     """Batch and instance norm in training mode called under ``inference_mode`` (where a
     mode sees the composite ``batch_norm``/``instance_norm``, whose schemas do not mark

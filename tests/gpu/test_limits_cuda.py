@@ -56,6 +56,7 @@ from ..test_usage import (
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_attention_kernel_choices_are_keyed,
+    check_classmethods_decorated_in_the_class_body,
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
     check_container_arguments_shared_nested_and_returned_twice,
@@ -290,3 +291,7 @@ def test_chunked_outputs_of_a_pending_call():
 
 def test_sparse_and_nested_outputs_run_eagerly():
     check_sparse_and_nested_outputs_run_eagerly("cuda")
+
+
+def test_classmethods_decorated_in_the_class_body():
+    check_classmethods_decorated_in_the_class_body("cuda")

@@ -29,7 +29,7 @@ class Shared:
     one shows in the others as in eager mode.  Outputs of several dtypes over the same
     bytes (``y`` and ``y.view(torch.int32)``) share a copy of the bytes."""
 
-    __slots__ = ("span", "members", "views", "first", "dtypes")
+    __slots__ = ("span", "members", "views", "first", "dtypes", "bits")
 
     def __init__(self, values: list[torch.Tensor], members: list[int]) -> None:
         sizes = {values[k].element_size() for k in members}
@@ -41,8 +41,8 @@ class Shared:
         lo -= lo % 16 if unit == 1 else 0  # every member's bytes aligned in the copy
         hi = max(st + _extent(values[k]) * values[k].element_size() // unit
                  for st, k in zip(starts, members))
-        first = values[members[0]]
-        # pool memory, read per call
+        first = _plain(values[members[0]])
+        # pool memory (without conjugate or negative bits), read per call
         self.span = first.as_strided((hi - lo,), (1,), lo) if unit > 1 else torch.empty(
             0, dtype=torch.uint8, device=first.device).set_(
             first.untyped_storage(), lo, (hi - lo,), (1,))
@@ -53,6 +53,10 @@ class Shared:
                       for st, k in zip(starts, members)]
         ids: dict[int, int] = {}  # the first member that is the same object as member k
         self.first = [ids.setdefault(id(values[k]), k) for k in members]
+        # each member's conjugate and negative bits (``y, y.mH``), put back on its view
+        self.bits = [(values[k].is_conj(), values[k].is_neg()) for k in members]
+        if not any(c or n for c, n in self.bits):
+            self.bits = None
 
     @staticmethod
     def find(values: list[Any], makers: list[Callable[..., Any]]) -> list[Shared]:
@@ -67,12 +71,23 @@ class Shared:
         if self.dtypes is None:
             for (k, size, stride, offset), first in zip(self.views, self.first):
                 made[k] = made[first] if first != k else copy.as_strided(size, stride, offset)
-            return
-        storage = copy.untyped_storage()
-        for (k, size, stride, offset), first, dtype in zip(self.views, self.first,
-                                                           self.dtypes):
-            made[k] = made[first] if first != k else torch.empty(
-                0, dtype=dtype, device=copy.device).set_(storage, offset, size, stride)
+        else:
+            storage = copy.untyped_storage()
+            for (k, size, stride, offset), first, dtype in zip(self.views, self.first,
+                                                               self.dtypes):
+                made[k] = made[first] if first != k else torch.empty(
+                    0, dtype=dtype, device=copy.device).set_(storage, offset, size, stride)
+        if self.bits is not None:
+            for k, first, (conj, neg) in zip(self.members, self.first, self.bits):
+                if first == k:
+                    view = made[k].conj() if conj else made[k]
+                    made[k] = view._neg_view() if neg else view
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its conjugate and negative bits: the memory as stored."""
+    t = t.conj() if t.is_conj() else t
+    return t._neg_view() if t.is_neg() else t
 
 
 def _extent(t: torch.Tensor) -> int:

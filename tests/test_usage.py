@@ -383,6 +383,44 @@ def test_conjugate_and_negative_views_keep_their_bits(standin):
     check_conjugate_and_negative_views()
 
 
+def _matrix_and_adjoint(a):
+    y = a @ a
+    return y, y.mH
+
+
+def _conjugate_first(a):
+    y = a @ a
+    return y.conj(), y
+
+
+def _with_negative_imaginary(a):
+    y = a @ a
+    return y, y.conj().imag, y.conj()
+
+
+def check_shared_outputs_keep_conjugate_and_negative_bits(device="cpu"):
+    """Outputs sharing memory where some are conjugate or negative views (``y, y.mH``):
+    cloned together, each keeps its bits (they were dropped: the adjoint came back a
+    plain transpose, the wrong sign), and writes through one show in the others."""
+    for fn in (_matrix_and_adjoint, _conjugate_first, _with_negative_imaginary):
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(5):
+                a = torch.randn(3, 3, dtype=torch.complex64, device=device)
+                got, want = g(a), fn(a)
+                got[-1].mul_(2)
+                want[-1].mul_(2)
+                for o, e in zip(got, want):
+                    assert (o.is_conj(), o.is_neg()) == (e.is_conj(), e.is_neg()), fn
+                    torch.testing.assert_close(o.resolve_conj().resolve_neg(),
+                                               e.resolve_conj().resolve_neg())
+        assert autograph.stats(g)["replays"] >= 2, fn
+
+
+def test_shared_outputs_keep_conjugate_and_negative_bits(standin):
+    check_shared_outputs_keep_conjugate_and_negative_bits()
+
+
 def check_written_conjugate_and_negative_views(device="cpu"):
     """An argument written in place, passed now as itself and now as a conjugate or
     negative view of the same memory (same address, strides and dtype): each is its

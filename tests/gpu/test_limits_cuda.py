@@ -69,6 +69,7 @@ from ..test_usage import (
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
     check_running_statistics_written_under_inference_mode,
+    check_shared_outputs_keep_conjugate_and_negative_bits,
     check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
     check_written_conjugate_and_negative_views,
@@ -295,3 +296,7 @@ def test_sparse_and_nested_outputs_run_eagerly():
 
 def test_classmethods_decorated_in_the_class_body():
     check_classmethods_decorated_in_the_class_body("cuda")
+
+
+def test_shared_outputs_keep_conjugate_and_negative_bits():
+    check_shared_outputs_keep_conjugate_and_negative_bits("cuda")

@@ -163,10 +163,19 @@ class BoundGraphedFunction(wrapt.BoundFunctionWrapper):  # type: ignore[misc]
     def __reduce__(self) -> Any:
         return self.__reduce_ex__(2)
 
+    @property
+    def _self_bound_to(self) -> Any:
+        """The instance this method is bound to, the class for a classmethod (wrapt
+        binds ``@graphed @classmethod`` with no instance, the class as owner), or None
+        (a method looked up on its class)."""
+        if self._self_instance is None and self._self_binding == "classmethod":
+            return self._self_owner
+        return self._self_instance
+
     def reset(self) -> None:
         """Drop the graphs of this instance's method (of every instance, looked up on the
         class)."""
-        instance = self._self_instance
+        instance = self._self_bound_to
         dispatch = self._self_parent._self_dispatch
         if instance is None:
             self._self_parent.reset()

@@ -18,12 +18,17 @@ def _bound_handle(obj: Any, make: bool) -> Handle | None:
     """The handle of a graphed function bound to an instance: ``model.forward`` where
     forward is decorated, or ``graphed(lin.forward)``; made now if ``make``."""
     parent = _graphed_parent(obj)
-    if parent is not None and obj._self_instance is not None:
-        dispatch, instance = parent._self_dispatch, obj._self_instance
+    if parent is not None and obj._self_bound_to is not None:
+        dispatch, instance = parent._self_dispatch, obj._self_bound_to
     elif isinstance(obj, GraphedFunction) and obj._self_dispatch.bound:
         dispatch, instance = obj._self_dispatch, _bound_self(obj.__wrapped__)
     else:
         return None
+    if isinstance(instance, type):  # a classmethod bound to its class: that class's
+        handle = dispatch.classes.get(instance)
+        if handle is None and make:
+            handle = dispatch._class_engine(obj.__wrapped__, instance)
+        return handle
     item = dispatch.instances.get(id(instance))
     if item is None or item[0]() is not instance:
         if not make:
@@ -48,7 +53,7 @@ def _engines_of(obj: Any) -> list[Engine]:
         return [obj._self_engine]
     parent = _graphed_parent(obj)
     if parent is not None:
-        if obj._self_instance is None:  # looked up on the class: every instance's
+        if obj._self_bound_to is None:  # looked up on the class: every instance's
             return parent._self_dispatch.engines()
         handle = _bound_handle(obj, make=False)
         return [handle.engine] if handle is not None else []

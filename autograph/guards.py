@@ -96,6 +96,10 @@ class Watch:
         self._holders: list[Any] = []
         self._names: list[Any] = []
         self._ptrs: list[int] = []
+        # the watched tensors' ids: another tensor object at the same address
+        # (``torch.func.functional_call``'s leaves over the same memory) is another
+        # parameter, whose requires_grad and .grad a graph's autograd edges must follow
+        self._idents: list[int] = []
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._named_ptrs: list[tuple[torch.Tensor, int]] = []
@@ -143,6 +147,7 @@ class Watch:
         self._named_ptrs = [(v, v.data_ptr()) for _, v in refs if isinstance(v, torch.Tensor)]
         self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
         self._ptrs = self._current_ptrs()
+        self._idents = list(map(id, map(_getitem, holders, names)))
         self._all = list(range(len(self._ptrs)))
         # a method's own module runs no hooks of its own (its forward is called, not
         # the module); every other module does, the ones the code names included
@@ -171,6 +176,8 @@ class Watch:
                 if not _ptrs_equal(tensors, self._ptrs, self._all):
                     return False
             elif list(map(_ptr, tensors)) != self._ptrs:
+                return False
+            if list(map(id, tensors)) != self._idents:
                 return False
         except Exception:  # noqa: BLE001 - a tensor gone or replaced by another object
             return False

@@ -1154,6 +1154,40 @@ def test_an_output_saved_for_backward_written_in_place_raises_as_eager():
     check_output_saved_for_backward_written_in_place_raises()
 
 
+def check_parameters_swapped_for_new_objects_at_the_same_address(device: str = "cpu"
+                                                                  ) -> None:
+    """``torch.func.functional_call`` with new leaf tensors over the parameters' memory
+    (same addresses, other objects): gradients reach the caller's tensors and
+    ``requires_grad`` follows them (a replay gave the gradients to the tensors seen at
+    capture and left the caller's ``.grad`` None); a fixed dict of tensors replays."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to(device)
+    model = autograph.graphed(lin)
+    base = {k: v.detach().clone() for k, v in lin.named_parameters()}
+    for step in range(6):
+        x = torch.randn(3, 4, device=device)
+        got = {k: v.detach().requires_grad_() for k, v in base.items()}
+        functional_call(model, got, (x,)).sum().backward()
+        want = {k: v.detach().requires_grad_() for k, v in base.items()}
+        functional_call(lin, want, (x,)).sum().backward()
+        for k in got:
+            assert got[k].grad is not None, (step, k)
+            torch.testing.assert_close(got[k].grad, want[k].grad)
+        frozen = {k: v.detach() for k, v in base.items()}  # requires_grad False now
+        assert not functional_call(model, frozen, (x,)).requires_grad, step
+    fixed = {k: v.detach().requires_grad_() for k, v in base.items()}
+    before = autograph.stats(model)["replays"]
+    for _ in range(6):
+        functional_call(model, fixed, (torch.randn(3, 4, device=device),)).sum().backward()
+    assert autograph.stats(model)["replays"] - before >= 3, autograph.stats(model)
+
+
+def test_parameters_swapped_for_new_objects_at_the_same_address(standin):
+    check_parameters_swapped_for_new_objects_at_the_same_address()
+
+
 def check_a_parameter_frozen_between_forward_and_backward(device: str = "cpu") -> None:
     """A parameter frozen (``requires_grad_(False)``) between a call and its backward:
     eager's ``AccumulateGrad`` leaves its ``.grad`` alone; the others get eager's."""

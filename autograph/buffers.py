@@ -141,6 +141,7 @@ def output_builder(
     reuse: bool = False,
     aliases: bool = True,
     walks: tuple[tuple[int, Walked], ...] = (),
+    themselves: set[int] | frozenset[int] = frozenset(),
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
@@ -151,7 +152,9 @@ def output_builder(
       object's position and walk) becomes that tensor of the call's own object, found
       by walking it again on every call (only for keys with such outputs);
     * a tensor that outlives the graph (a parameter, buffer or global, in
-      ``persistent``) is returned as it is;
+      ``persistent``) is returned as it is (the very object where it is one, ids in
+      ``themselves``; a view of one, ``self.pos[:n]``, as a new alias per call, as
+      eager makes a new view: a caller's ``unsqueeze_`` must not reach later calls);
     * anything else lives in the graph pool and is cloned on every call; with
       ``reuse``, handed out as a new alias of the graph's tensor (a tensor object of
       its own, so that the caller holding it shows in its storage's use count).
@@ -181,7 +184,7 @@ def output_builder(
         if inside and isinstance(value, torch.Tensor) and storage_ptr(value) in inside:
             makers.append(_object_tensor(value, *inside[storage_ptr(value)]))
             continue
-        makers.append(_leaf_maker(value, arg_storage, persistent, reuse))
+        makers.append(_leaf_maker(value, arg_storage, persistent, reuse, themselves))
     pool_outputs = [v for v, make in zip(flat, makers) if is_clone(make)]
     shared = Shared.find(flat, makers) if aliases and not reuse else []
     for group in shared:
@@ -315,7 +318,7 @@ def _object_tensor(value: torch.Tensor, pos: int, k: int, base: torch.Tensor
 
 def _leaf_maker(
     value: Any, arg_storage: dict[int, tuple[int, torch.Tensor]], persistent: set[int],
-    reuse: bool = False,
+    reuse: bool = False, themselves: set[int] | frozenset[int] = frozenset(),
 ) -> Callable[[list[Any]], Any]:
     if not isinstance(value, torch.Tensor):
         if not isinstance(value, _CONSTANT_OUTPUTS):
@@ -350,7 +353,7 @@ def _leaf_maker(
 
         return view
     if ptr in persistent:
-        return lambda _leaves: value
+        return _persistent_maker(value, themselves)
 
     clone: Callable[[list[Any]], torch.Tensor]
     if reuse:
@@ -364,6 +367,32 @@ def _leaf_maker(
 
     clone._clone = True  # type: ignore[attr-defined]
     return clone
+
+
+def _persistent_maker(value: torch.Tensor, themselves: set[int] | frozenset[int]
+                      ) -> Callable[[list[Any]], torch.Tensor]:
+    """An output in memory that outlives the graph: the tensor itself where it is one
+    (a parameter, buffer or named tensor), else a new view of that memory per call, as
+    eager makes one (``self.pos[:n]``: made from its base as the same strided view,
+    ``requires_grad`` as eager's under the call's mode; an alias without a base:
+    ``detach``)."""
+    base = value._base
+    if id(value) in themselves or (base is None and value.requires_grad):
+        return lambda _leaves: value
+    if base is None or id(base) not in themselves:
+        return lambda _leaves: value.detach()
+    size, stride, offset = value.shape, value.stride(), value.storage_offset()
+    conj, neg = value.is_conj() != base.is_conj(), value.is_neg() != base.is_neg()
+    dtype_view = value.dtype != base.dtype
+
+    def view(_leaves: list[Any]) -> torch.Tensor:
+        if dtype_view:
+            return value.detach()
+        made = base.as_strided(size, stride, offset)
+        made = made.conj() if conj else made
+        return made._neg_view() if neg else made
+
+    return view
 
 
 def _faithful(value: torch.Tensor) -> bool:

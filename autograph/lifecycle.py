@@ -345,10 +345,12 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise WritesFound(written)
     # tensors that outlive the graph, returned as they are: parameters, buffers, named
     # tensors, a module's plain tensor attributes, and tensors read from elsewhere
-    persistent = watch.storage_ptrs() | {storage_ptr(t) for t in (
-        *watch.attribute_tensors(), *recorder.hidden.values()) if t.numel()}
+    kept = [*watch.attribute_tensors(), *recorder.hidden.values()]
+    persistent = watch.storage_ptrs() | {storage_ptr(t) for t in kept if t.numel()}
+    themselves = {id(t) for t in (*watch.tensors(), *watch.named(), *kept)}
     build = output_builder(out, leaves, static, inplace, persistent, reuse, aliases,
-                           tuple((pos, walked) for pos, walked, _, _ in flat.objects))
+                           tuple((pos, walked) for pos, walked, _, _ in flat.objects),
+                           themselves)
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]

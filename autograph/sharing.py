@@ -54,9 +54,8 @@ class Shared:
         ids: dict[int, int] = {}  # the first member that is the same object as member k
         self.first = [ids.setdefault(id(values[k]), k) for k in members]
         # each member's conjugate and negative bits (``y, y.mH``), put back on its view
-        self.bits = [(values[k].is_conj(), values[k].is_neg()) for k in members]
-        if not any(c or n for c, n in self.bits):
-            self.bits = None
+        bits = [(values[k].is_conj(), values[k].is_neg()) for k in members]
+        self.bits = bits if any(c or n for c, n in bits) else None
 
     @staticmethod
     def find(values: list[Any], makers: list[Callable[..., Any]]) -> list[Shared]:

@@ -19,6 +19,7 @@ from ..test_backward import (
     check_grad_enabled_inside_under_no_grad,
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
+    check_parameters_swapped_for_new_objects_at_the_same_address,
     check_saved_tensor_hooks_run_eagerly,
     check_saved_tensors_with_internal_overlap_are_spilled,
     check_separate_backwards_through_independent_outputs,
@@ -72,6 +73,7 @@ from ..test_usage import (
     check_shared_outputs_keep_conjugate_and_negative_bits,
     check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
+    check_views_of_parameters_are_new_views_per_call,
     check_written_conjugate_and_negative_views,
 )
 
@@ -300,3 +302,11 @@ def test_classmethods_decorated_in_the_class_body():
 
 def test_shared_outputs_keep_conjugate_and_negative_bits():
     check_shared_outputs_keep_conjugate_and_negative_bits("cuda")
+
+
+def test_parameters_swapped_for_new_objects_at_the_same_address():
+    check_parameters_swapped_for_new_objects_at_the_same_address("cuda")
+
+
+def test_views_of_parameters_are_new_views_per_call():
+    check_views_of_parameters_are_new_views_per_call("cuda")

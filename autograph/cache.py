@@ -19,6 +19,7 @@ import torch
 
 from .flat import Flat
 from .keys import GraphKey, sharing
+from .memo import KeyMemo
 from .mutation import storage_ptr
 from .objects import ObjectKey
 from .options import Options
@@ -140,6 +141,8 @@ class GraphCache:
         self.lasts: dict[GraphKey, tuple[Entry, int]] = {}
         # called whenever a graph is freed: a bucketer's routes hold graphs' runners
         self.on_forget: Callable[[], None] | None = None
+        # the engine's key memo, whose shortcuts hold runners (of freed graphs too)
+        self.memo: KeyMemo | None = None
 
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
         """``key`` with the addresses of the arguments this key's calls write in place
@@ -275,6 +278,8 @@ class GraphCache:
         self.stats.graphs -= 1
         self.stats.graph_bytes -= entry.nbytes
         entry.graph = entry.run = None
+        if self.memo is not None:
+            self.memo.unbind(entry)
         if self.on_forget is not None:
             self.on_forget()
         entry.nbytes = 0

@@ -86,7 +86,7 @@ class Engine:
         self.options = self.cache.options = options
         self.ranks = Ranks(options.group) if options.group is not None else None
         self.trains = options.backward and self.ranks is None  # graphs under autograd
-        self.memo = KeyMemo()  # its shortcuts were made under the options before
+        self.memo = self.cache.memo = KeyMemo()  # shortcuts made under the old options
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did

@@ -71,6 +71,13 @@ class KeyMemo:
                 return known
         return None
 
+    def unbind(self, entry: Any) -> None:
+        """Drop the shortcuts that replay ``entry``'s graph, which is being freed: they
+        would keep its buffers (and rotation slots) alive until these tensors key again."""
+        for known in self.recent:
+            if known.bound is not None and known.bound[0] is entry:
+                known.shortcut = known.bound = None
+
     def learn(self, args: tuple[Any, ...], parts: tuple[Any, ...],
               device: torch.device) -> None:
         """Remember the leaf keys ``parts`` that the full path gave these arguments

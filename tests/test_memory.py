@@ -1,7 +1,11 @@
 """Graph memory per graph: counted even where the pool reuses memory freed by earlier
 graphs (footprint.py), and bounded by max_graph_memory."""
 
+import gc
+import weakref
+
 import torch
+from torch import nn
 
 import autograph
 from autograph.footprint import Footprint
@@ -61,3 +65,25 @@ def test_a_budget_bounds_graphs_that_reuse_the_pool(standin):
             assert autograph.stats(f)["graph_memory_bytes"] <= budget
     s = autograph.stats(f)
     assert s["evictions"] >= 3 and 1 <= s["graphs"] <= 3
+
+
+def test_freed_graphs_are_not_kept_by_shortcuts(standin):
+    """A graph evicted (``max_graphs``) or dropped by ``reset()`` is freed: the key
+    memo's shortcut to it held its runner, and with it the graph's buffers, until the
+    same tensors keyed again."""
+
+    lin = nn.Linear(16, 16)
+    m = autograph.graphed(lin, max_graphs=1)
+    held = []
+    with torch.no_grad():
+        for batch in (2, 3, 4, 5):
+            for _ in range(5):
+                m(torch.randn(batch, 16))
+            held += [weakref.ref(e.graph.static.buffers[0])
+                     for e in m._self_engine.cache.entries.values() if e.graph is not None]
+    gc.collect()
+    assert autograph.stats(m)["evictions"] >= 3
+    assert sum(r() is not None for r in held) == 1
+    autograph.reset(m)
+    gc.collect()
+    assert all(r() is None for r in held)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .buffers import _overlaps
+from .buffers import _overlaps, _same_values
 from .flat import Flat
 from .guards import Watch
 from .lifecycle import CAPTURE_LOCK, call_scope
@@ -166,14 +166,15 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
     pool, order, replay = captured.pool, backend.order_replay, captured.graph.replay
 
     def agrees(slot: Slot) -> bool:
-        """Both graphs replayed on the same static inputs give the same bits (one
-        host sync per variant): a variant captured after a change that no guard sees
-        (a nested configuration value) would otherwise alternate with the key's graph."""
+        """Both graphs replayed on the same static inputs give the same values, NaN
+        equal to NaN (one host sync per variant): a variant captured after a change that
+        no guard sees (a nested configuration value) would otherwise alternate with the
+        key's graph."""
         with pool.lock:
             order(device, pool)
             replay()
             slot.graph.replay()
-            return torch.equal(single, slot.buffer)
+            return _same_values(single, slot.buffer)
 
     nbytes = 2 * SLOTS * single.numel() * single.element_size()  # outputs and buffers
     captured.rotation = Rotation(capture_variant, agrees, CAPTURE_LOCK, nbytes)

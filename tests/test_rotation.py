@@ -186,6 +186,21 @@ def test_a_dropped_output_frees_its_buffer_for_the_next_call(standin):
     assert variant_replays(standin) == 8 - 2  # all but the warmup and the capture
 
 
+def test_outputs_with_nan_keep_their_variants(standin):
+    """A variant whose output holds NaN (a log of a negative) agrees with the key's
+    graph: NaN equals NaN there (``torch.equal`` said otherwise, and every call cloned)."""
+    def f(x):
+        return (x - 0.5).log()
+
+    g = autograph.graphed(f, warmup=1)
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.rand(3, 8)
+            torch.testing.assert_close(g(x), f(x), equal_nan=True)
+    assert standin.captures == 2  # the key's graph and one variant
+    assert variant_replays(standin) == 8 - 2
+
+
 def test_a_variant_that_fails_to_capture_leaves_clones(standin):
     model = mlp()
     g = autograph.graphed(model, warmup=1)

@@ -141,8 +141,9 @@ class GraphCache:
         self.lasts: dict[GraphKey, tuple[Entry, int]] = {}
         # called whenever a graph is freed: a bucketer's routes hold graphs' runners
         self.on_forget: Callable[[], None] | None = None
-        # the engine's key memo, whose shortcuts hold runners (of freed graphs too)
-        self.memo: KeyMemo | None = None
+        # the engine's key memo, whose shortcuts hold runners (of freed graphs too);
+        # weakly: its shortcuts hold this cache (a cycle would outlive its engine)
+        self.memo: Callable[[], KeyMemo | None] = lambda: None
 
     def address(self, key: GraphKey, flat: Flat) -> GraphKey:
         """``key`` with the addresses of the arguments this key's calls write in place
@@ -278,8 +279,9 @@ class GraphCache:
         self.stats.graphs -= 1
         self.stats.graph_bytes -= entry.nbytes
         entry.graph = entry.run = None
-        if self.memo is not None:
-            self.memo.unbind(entry)
+        memo = self.memo()
+        if memo is not None:
+            memo.unbind(entry)
         if self.on_forget is not None:
             self.on_forget()
         entry.nbytes = 0

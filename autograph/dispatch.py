@@ -10,6 +10,7 @@ kill switch, key, entry, bound replay.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,7 +87,8 @@ class Engine:
         self.options = self.cache.options = options
         self.ranks = Ranks(options.group) if options.group is not None else None
         self.trains = options.backward and self.ranks is None  # graphs under autograd
-        self.memo = self.cache.memo = KeyMemo()  # shortcuts made under the old options
+        self.memo = KeyMemo()  # its shortcuts were made under the options before
+        self.cache.memo = weakref.ref(self.memo)
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did

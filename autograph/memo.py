@@ -58,7 +58,7 @@ class Remembered:
 class KeyMemo:
     """The last few tensor parts keyed for one callable's plain positional calls."""
 
-    __slots__ = ("recent",)
+    __slots__ = ("recent", "__weakref__")
 
     def __init__(self) -> None:
         self.recent: list[Remembered] = []

@@ -18,11 +18,14 @@ not returned, or nested in another argument) makes the key run eagerly
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
-from collections.abc import Mapping, MutableMapping, MutableSequence
+from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from .coderefs import same
@@ -176,3 +179,53 @@ def _put(result: Any, slots: tuple[int, ...] | None, mine: Any) -> Any:
         return result
     items = [mine if k in slots else v for k, v in enumerate(result)]
     return type(result)(*items) if hasattr(result, "_fields") else tuple(items)
+
+
+# -- containers that modules hold -------------------------------------------------------
+# what ``nn.Module.__init__`` puts in a module's ``__dict__`` (parameters, hooks, ...)
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_HELD_TYPES = (list, dict, set, collections.deque)
+
+# ("Module.name", the container, the ids of what it holds, a shallow copy)
+Held = list[tuple[str, Any, tuple[int, ...], Any]]
+MODULE_CONTAINER = "a list, dict or set that a module holds"
+
+
+def held(modules: Iterable[nn.Module]) -> Held:
+    """The lists, dicts, sets and deques ``modules`` hold as plain attributes
+    (``self.maps = []``), with what they hold now."""
+    out: Held = []
+    for m in modules:
+        for name, value in vars(m).items():
+            if name not in _MODULE_INTERNALS and type(value) in _HELD_TYPES:
+                out.append((f"{type(m).__name__}.{name}", value, _contents(value),
+                            copy.copy(value)))
+    return out
+
+
+def held_change(before: Held) -> str | None:
+    """What the call changed of the containers in ``before`` (``self.maps.append(y)``),
+    or None: a replay runs no Python, so it would not repeat the change, and a tensor
+    the capture stored there would be the graph's, overwritten by every replay."""
+    for label, value, contents, _ in before:
+        if _contents(value) != contents:
+            return f"{MODULE_CONTAINER} ({label})"
+    return None
+
+
+def restore(before: Held) -> None:
+    """Give the containers in ``before`` back what they held (after a capture that
+    changed them: the call then runs eagerly, and changes them as eager mode does)."""
+    for _, value, contents, saved in before:
+        if _contents(value) != contents:
+            value.clear()
+            if isinstance(value, (dict, set)):
+                value.update(saved)
+            else:
+                value.extend(saved)
+
+
+def _contents(value: Any) -> tuple[int, ...]:
+    if isinstance(value, dict):
+        return tuple(map(id, (*value.keys(), *value.values())))
+    return tuple(map(id, value))

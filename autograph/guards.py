@@ -325,6 +325,10 @@ class Watch:
         """The parameters and buffers of the watched trees."""
         return map(_getitem, self._holders, self._names)
 
+    def every_module(self) -> list[nn.Module]:
+        """Every watched module (the trees of :meth:`modules`, each module once)."""
+        return [m for ref in self._modules if (m := ref()) is not None]
+
     def attribute_tensors(self) -> list[torch.Tensor]:
         """Tensors held as plain attributes of the watched modules (``self.table =
         torch.zeros(3)``: no parameter or buffer); assigning one is seen as any

@@ -83,6 +83,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     args, kwargs = flat.call()
     shapes = _geometry(flat.leaves, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs) if learn else []
+    held = containers.held(watch.every_module()) if learn else []
     refs = watch.ref_values() if learn else None
     state = list(watch.tensors()) if learn else []
     tags = [_attributes(t) for t in state]
@@ -117,6 +118,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
             raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
+        _check_held(held, restore=False)
         problem = None
     except Uncapturable as exc:
         # kept without its traceback: its frames (these locals hold the outputs, the
@@ -199,6 +201,16 @@ def _check_attributes(outs: list[torch.Tensor], flat: Flat, state: list[torch.Te
         if id(t) not in given and t.__dict__:
             raise Uncapturable(EagerReason.OUTPUT, "an output carries Python attributes "
                                "(a replay hands out copies without them)")
+
+
+def _check_held(held: containers.Held, restore: bool) -> None:
+    """Raise if the call changed a list, dict or set a module holds (with ``restore``,
+    at a capture, after giving it back what it held: the call then runs eagerly)."""
+    change = containers.held_change(held)
+    if change is not None:
+        if restore:
+            containers.restore(held)
+        raise Uncapturable(EagerReason.ASSIGNS, change)
 
 
 def _check_objects(flat: Flat) -> None:
@@ -287,6 +299,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs)
+    held = containers.held(watch.every_module())
     refs = watch.ref_values()
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))
@@ -333,6 +346,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         raise RandomFound()
     reads.check(recorder.seeded)
     _check(watch, [], host, device)
+    _check_held(held, restore=True)
     _check_objects(flat)
     _check_geometry(substituted, flat.tensor_pos, shapes)
     syncs = containers.changes(snap, out) if snap else ()
@@ -367,6 +381,13 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 
 
 REF_ASSIGNED = "a global or class attribute that it reads"
+
+
+def changed_once(problem: Uncapturable) -> bool:
+    """Whether a learning warmup's problem may be a lazy set-up, made once (a global
+    set, a module's dict filled at its first call): the next warmup learns again."""
+    detail = problem.detail or ""
+    return detail == REF_ASSIGNED or detail.startswith(containers.MODULE_CONTAINER)
 
 
 def _hidden_bumps(recorder: Any, counted: set[int]) -> tuple[Any, ...]:

@@ -54,7 +54,7 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         # which a static buffer standing in for it would take): one plain graph
         entry.contained = True
     if warmed.problem is not None:  # the call ran; graphs would get it wrong
-        if warmed.problem.detail == lifecycle.REF_ASSIGNED and not entry.assigned_once:
+        if lifecycle.changed_once(warmed.problem) and not entry.assigned_once:
             entry.assigned_once = True  # a global set once (a lazy set-up): learn again
             return warmed.out
         entry.give_up(warmed.problem.reason, warmed.problem.detail)

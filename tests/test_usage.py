@@ -512,6 +512,64 @@ def test_views_of_parameters_are_new_views_per_call(standin):
     check_views_of_parameters_are_new_views_per_call()
 
 
+class KeepsMaps(nn.Module):
+    """Stores each call's attention map in a list it holds (as visualisation code does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.maps = []
+
+    def forward(self, x):
+        a = self.lin(x).softmax(-1)
+        self.maps.append(a)
+        return a * 2
+
+
+class FillsOnce(nn.Module):
+    """Fills a dict it holds at its first call per shape (a lazy cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scales = {}
+
+    def forward(self, x):
+        if x.shape not in self.scales:
+            self.scales[x.shape] = torch.full((x.shape[-1],), 2.0, device=x.device)
+        return self.lin(x) * self.scales[x.shape]
+
+
+def check_lists_and_dicts_a_module_holds(device="cpu"):
+    """A forward that changes a list or dict its module holds (``self.maps.append``)
+    runs eagerly: a replay would not append, and the map the capture appended was the
+    graph's, overwritten by every later replay.  A dict filled once (a lazy cache)
+    is learned again and graphed."""
+    torch.manual_seed(0)
+    m, twin = KeepsMaps().to(device), KeepsMaps().to(device)
+    twin.load_state_dict(m.state_dict())
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    assert len(m.maps) == len(twin.maps) == 6
+    for got, want in zip(m.maps, twin.maps):
+        torch.testing.assert_close(got, want)
+    assert autograph.stats(g)["eager_reasons"].get("assigns_attribute", 0) >= 3
+    lazy = FillsOnce().to(device)
+    g = autograph.graphed(lazy)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), lazy.lin(x) * 2)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_lists_and_dicts_a_module_holds(standin):
+    check_lists_and_dicts_a_module_holds()
+
+
 def check_returned_attribute_tensors_are_themselves(device="cpu"):
     """A tensor returned from a module's plain attribute (no parameter or buffer), or
     from a plain object the call reads and writes, is that tensor, as eager returns it
@@ -716,18 +774,24 @@ def test_an_exception_in_a_warmup_call_propagates_once(failing):
 
 
 FAIL = {"on": False}
+RUNS = {}  # per Flaky module: how many times its forward's Python ran
 
 
 class Flaky(nn.Module):
-    """Raises while a global flag says so."""
+    """Raises while a global flag says so.  (Its count lives outside the module: a
+    module's own list changed by the forward makes its calls eager.)"""
 
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
-        self.runs = [0]
+        RUNS[id(self)] = [0]
+
+    @property
+    def runs(self):
+        return RUNS[id(self)]
 
     def forward(self, x):
-        self.runs[0] += 1
+        RUNS[id(self)][0] += 1
         if FAIL["on"]:
             raise ValueError("flag")
         return self.fc(x)

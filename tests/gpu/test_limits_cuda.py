@@ -64,6 +64,7 @@ from ..test_usage import (
     check_containers_changed_in_place_are_seen,
     check_flags_read_through_classes_and_globals,
     check_global_hooks_registered_through_any_name_are_seen,
+    check_lists_and_dicts_a_module_holds,
     check_overlapping_outputs_keep_their_layout,
     check_python_attributes_set_on_outputs_and_parameters,
     check_python_attributes_set_on_tensor_arguments,
@@ -310,3 +311,7 @@ def test_parameters_swapped_for_new_objects_at_the_same_address():
 
 def test_views_of_parameters_are_new_views_per_call():
     check_views_of_parameters_are_new_views_per_call("cuda")
+
+
+def test_lists_and_dicts_a_module_holds():
+    check_lists_and_dicts_a_module_holds("cuda")

@@ -16,6 +16,7 @@ original is put back.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import inspect
 import threading
@@ -47,7 +48,7 @@ _handles: dict[int, tuple[weakref.ref[nn.Module], Handle]] = {}
 _own_options: dict[type, bool] = {}
 # Module instances whose top-level calls go through a given handle while one of their
 # own methods runs (``graphed(model).generate(...)``): id(module) -> handle
-_routes: contextvars.ContextVar[tuple[tuple[int, Handle], ...]] = contextvars.ContextVar(
+_routes: contextvars.ContextVar[tuple[routing, ...]] = contextvars.ContextVar(
     "autograph_routes", default=())
 
 
@@ -170,36 +171,73 @@ def _call(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
         if not top:
             return original(self, *args, **kwargs)
-        for mid, handle in routes:  # a graphed module's own method calls the module
-            if mid == id(self):
-                return handle.call(args, kwargs)
-        if not regions or _has_own_engine(self):
+        for route in routes:  # a graphed module's own method calls the module
+            if route.mid == id(self):
+                return route.handle.call(args, kwargs)
+        if _has_own_engine(self):
             return original(self, *args, **kwargs)
-        return _through_engine(regions[-1], self, args, kwargs)
+        if regions:
+            return _through_engine(regions[-1], self, args, kwargs)
+        for route in routes:  # ... or one of its submodules (``get_text_features``)
+            if route.holds(self):
+                handle = _handle_for(self)
+                handle.set_options(_submodule_options(route.handle.engine.options))
+                return handle.call(args, kwargs)
+        return original(self, *args, **kwargs)
     finally:
         _local.depth -= 1
+
+
+# per wrapper's options (by id, with the options kept): those its routed methods'
+# submodule calls are graphed with (no per-argument options: they name the forward's)
+_derived: dict[int, tuple[Options, Options]] = {}
+
+
+def _submodule_options(options: Options) -> Options:
+    """``options`` without what names the wrapped forward's arguments (buckets, batch
+    dimensions, padding): the options of the submodule calls its methods make."""
+    known = _derived.get(id(options))
+    if known is not None and known[0] is options:
+        return known[1]
+    derived = dataclasses.replace(options, buckets=None, batch_dims={}, pad_values={},
+                                  pad_writes={})
+    if len(_derived) > 64:
+        _derived.clear()
+    _derived[id(options)] = (options, derived)
+    return derived
 
 
 class routing:  # noqa: N801 - used like a function
     """While open, top-level calls of ``module`` (made by the running code, e.g. by one
     of its methods such as ``generate``) run through ``handle``: the per-instance use of
-    the ``nn.Module.__call__`` patch that regions install."""
+    the ``nn.Module.__call__`` patch that regions install.  Top-level calls of its
+    submodules (``self.text_model(...)`` in CLIP's ``get_text_features``, the encoder
+    in ``generate``) are graphed as a region graphs its calls, with the wrapper's
+    options less the per-argument ones."""
 
-    __slots__ = ("module", "handle", "token")
+    __slots__ = ("module", "mid", "handle", "token", "inside")
 
     def __init__(self, module: nn.Module, handle: Handle) -> None:
         self.module = module
+        self.mid = id(module)
         self.handle = handle
+        self.inside: set[int] | None = None  # ids of its submodules, once needed
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of the routed module's submodules."""
+        if self.inside is None:
+            self.inside = {id(m) for m in self.module.modules()}
+        return id(module) in self.inside
 
     def __enter__(self) -> None:
         _retain()
-        self.token = _routes.set((*_routes.get(), (id(self.module), self.handle)))
+        self.token = _routes.set((*_routes.get(), self))
 
     def __exit__(self, *exc: object) -> None:
         try:
             _routes.reset(self.token)
         except ValueError:  # exited in another context than it was entered in
-            _routes.set(tuple(r for r in _routes.get() if r[1] is not self.handle))
+            _routes.set(tuple(r for r in _routes.get() if r is not self))
         _release()
 
 

@@ -221,3 +221,37 @@ def test_cache_objects_run_eagerly_and_pytree_containers_count_as_tensors():
     assert stats["WithCache"]["captures"] == 0
     assert stats["WithCache"]["eager"] == 4  # each call a new key (cache.steps), eager
     assert (stats["WithDict"]["captures"], stats["WithDict"]["replays"]) == (1, 1)
+
+
+class Tower(nn.Module):
+    """A model whose methods call its submodules directly (CLIP's ``get_*_features``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.text = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.proj(self.text(x))
+
+    def features(self, x):
+        return nn.functional.normalize(self.proj(self.text(x)), dim=-1)
+
+
+def check_methods_graph_their_submodule_calls(device="cpu"):
+    """A wrapped module's own method that calls its submodules (not the module) has
+    those calls graphed, each submodule on its engine (they ran eagerly, uncounted)."""
+    torch.manual_seed(0)
+    m = Tower().to(device).eval()
+    g = autograph.graphed(m, buckets=[4, 8])  # per-argument options stay the forward's
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 8, device=device)
+            torch.testing.assert_close(g.features(x), m.features(x))
+    s = autograph.stats(m.text)
+    assert s["replays"] >= 3 and autograph.stats(m.proj)["replays"] >= 3, s
+    assert autograph.stats(g)["calls"] == 0
+
+
+def test_methods_graph_their_submodule_calls(standin):
+    check_methods_graph_their_submodule_calls()

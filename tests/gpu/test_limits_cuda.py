@@ -50,6 +50,7 @@ from ..test_objects import (
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
 )
+from ..test_region import check_methods_graph_their_submodule_calls
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
     check_a_class_attribute_flag_is_seen,
@@ -315,3 +316,7 @@ def test_views_of_parameters_are_new_views_per_call():
 
 def test_lists_and_dicts_a_module_holds():
     check_lists_and_dicts_a_module_holds("cuda")
+
+
+def test_methods_graph_their_submodule_calls():
+    check_methods_graph_their_submodule_calls("cuda")

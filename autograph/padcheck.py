@@ -113,18 +113,43 @@ def _problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: 
     _poison(written, names, plain_args, plain_kwargs, pad_args, pad_kwargs)
     pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
     padded = padded_call(pad_args, pad_kwargs, pad_batch, size, fills)
-    with torch.no_grad():
-        try:
-            expect = eager(plain_args, plain_kwargs)
-        except Exception:  # noqa: BLE001 - a bad call, not a verdict on padding
-            return UNCHECKED
-        try:
-            got = slice_back(eager(*padded), size, real, out_dim(batch))
-        except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
-            return f"the padded call raised {type(exc).__name__}"
+    start = _random_state(args, kwargs)
+    try:
+        with torch.no_grad():
+            try:
+                expect = eager(plain_args, plain_kwargs)
+            except Exception:  # noqa: BLE001 - a bad call, not a verdict on padding
+                return UNCHECKED
+            _set_random_state(start)  # the same draws in both runs (a sampler's rows)
+            try:
+                got = slice_back(eager(*padded), size, real, out_dim(batch))
+            except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
+                return f"the padded call raised {type(exc).__name__}"
+    finally:
+        _set_random_state(start)  # the check draws nothing the call itself would
     return compare(expect, got) or compare_writes(
         *_after(names, plain_args, plain_kwargs, pad_args, pad_kwargs, padded, batch, real),
         regions)
+
+
+RandomState = list[tuple[torch.device, torch.Tensor]]
+
+
+def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RandomState:
+    """The host generator's state and that of each CUDA device the arguments are on."""
+    state = [(torch.device("cpu"), torch.get_rng_state())]
+    devices = {t.device for t in (*args, *kwargs.values())
+               if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    state += [(d, torch.cuda.get_rng_state(d)) for d in devices]
+    return state
+
+
+def _set_random_state(state: RandomState) -> None:
+    for device, value in state:
+        if device.type == "cpu":
+            torch.set_rng_state(value)
+        else:
+            torch.cuda.set_rng_state(value, device)
 
 
 def _poison(written: set[Key], names: Arguments, plain_args: tuple[Any, ...],

@@ -32,6 +32,7 @@ from ..test_backward import (
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
+    check_a_sampling_step_keeps_its_buckets,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
     check_padded_outputs_have_eager_layout,
 )
@@ -320,3 +321,8 @@ def test_lists_and_dicts_a_module_holds():
 
 def test_methods_graph_their_submodule_calls():
     check_methods_graph_their_submodule_calls("cuda")
+
+
+def test_a_sampling_step_keeps_its_buckets():
+    s = check_a_sampling_step_keeps_its_buckets("cuda")
+    print("sampling step on CUDA:", s["padding"], s["replays"])

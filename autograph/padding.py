@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import backend_for
 from .flat import size_leaf
+from .returned import opened
 from .verify import tolerance
 
 Batch = list[tuple[str | int, torch.Tensor, int]]  # (position or name, tensor, batch dim)
@@ -154,6 +155,7 @@ def compare(expect: Any, got: Any) -> str | None:
     the padded capture saw it."""
     a, spec_a = pytree.tree_flatten(expect)
     b, spec_b = pytree.tree_flatten(got)
+    a, b = opened(a), opened(b)  # returned objects (a DynamicCache): by their tensors
     if spec_a != spec_b:
         return "outputs differ in structure"
     for x, y in zip(a, b):

@@ -318,8 +318,8 @@ def test_nan_inputs_are_not_mistaken_for_writes():
     assert stats_of(f)["replays"] == 2
 
 
-def test_outputs_pytree_cannot_open_run_eagerly():
-    class Box:  # not a registered pytree node: it would smuggle pool tensors out
+def test_output_objects_are_made_again_per_call():
+    class Box:  # not a registered pytree node: made again around clones per call
         def __init__(self, t):
             self.t = t
 
@@ -329,12 +329,32 @@ def test_outputs_pytree_cannot_open_run_eagerly():
 
     with torch.no_grad():
         boxes = [f(torch.full((2,), float(i))) for i in range(3)]
+    for i, box in enumerate(boxes):  # none overwritten by a later replay
+        assert type(box) is Box
+        torch.testing.assert_close(box.t, torch.full((2,), 2.0 * i))
+    s = stats_of(f)
+    assert s["captures"] == 1 and s["replays"] == 2
+
+
+def test_outputs_that_cannot_be_made_again_run_eagerly():
+    import threading
+
+    class Locked:  # holds what a call's output object cannot be made again with
+        def __init__(self, t):
+            self.t, self.lock = t, threading.Lock()
+
+    @autograph.graphed(warmup=0)
+    def f(x):
+        return Locked(x * 2)
+
+    with torch.no_grad():
+        boxes = [f(torch.full((2,), float(i))) for i in range(3)]
     for i, box in enumerate(boxes):
         torch.testing.assert_close(box.t, torch.full((2,), 2.0 * i))
     s = stats_of(f)
     assert s["captures"] == 0 and s["eager"] == 3
     details = s["eager_details"]["unsupported_output"]
-    assert any("output of type" in d and "Box" in d for d in details)
+    assert any("output of type" in d and "Locked" in d for d in details)
 
 
 def test_one_tensor_passed_twice_and_written_through_one_of_them():

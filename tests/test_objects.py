@@ -437,6 +437,38 @@ def _tiny(kind):
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
+def check_a_forward_returning_a_dynamic_cache(kind="llama", device="cpu"):
+    """``model(ids)`` of a causal LM in eval returns a new ``DynamicCache`` (``use_cache``
+    on): the call replays (it ran eagerly: the cache is no pytree), the logits and every
+    cache tensor equal eager's, and decoding on from the returned cache works."""
+    model = _tiny(kind).to(device)
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for _ in range(6):
+            ids = torch.randint(1, 96, (2, 7), device=device)
+            with autograph.disabled():
+                want = model(ids)
+            got = g(ids)
+            assert torch.equal(got.logits, want.logits)
+            cache, expect = got.past_key_values, want.past_key_values
+            assert type(cache) is type(expect) and len(cache.layers) == len(expect.layers)
+            for a, b in zip(cache.layers, expect.layers):
+                assert type(a) is type(b) and vars(a).keys() == vars(b).keys()
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            step = got.logits[:, -1:].argmax(-1)
+            with autograph.disabled():
+                on = model(step, past_key_values=cache).logits
+                ref = model(step, past_key_values=expect).logits
+            assert torch.equal(on, ref)
+    s = autograph.stats(g)
+    assert s["replays"] >= 3, (s["eager_reasons"], s["eager_details"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_forward_returning_a_dynamic_cache(kind):
+    check_a_forward_returning_a_dynamic_cache(kind)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_generate_with_a_static_cache_in_a_region(kind, batch):

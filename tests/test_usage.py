@@ -570,6 +570,75 @@ def test_lists_and_dicts_a_module_holds(standin):
     check_lists_and_dicts_a_module_holds()
 
 
+class _Layer:
+    def __init__(self, k, v):
+        self.keys, self.values, self.ready = k, v, True
+
+
+class _Memory:
+    """A cache object the call makes (as transformers' DynamicCache): not a pytree."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.seen = {"tokens": layers[0].keys.shape[0]}
+
+
+class _Slotted:
+    __slots__ = ("state", "step")
+
+    def __init__(self, state):
+        self.state, self.step = state, 1
+
+
+class _HoldsModule:
+    def __init__(self, m, y):
+        self.m, self.y = m, y
+
+
+def check_objects_the_call_returns(device="cpu"):
+    """An object the call makes and returns (a transformers ``DynamicCache``, a user's
+    cache or state class, with slots or a dict) is made again per call around clones
+    of the graph's tensors: same type, attributes and identities inside (one layer
+    listed twice stays one), never overwritten later; such calls ran eagerly.  An
+    object holding a module still runs eagerly."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, device=device)
+
+    def step(x):
+        k, v = x @ w, (x * 2).relu()
+        first = _Layer(k, v)
+        return x.sum(), _Memory([first, _Layer(v, k), first]), _Slotted((k + 1, [v]))
+
+    g = autograph.graphed(step)
+    kept = []
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 4, device=device)
+            total, mem, slotted = g(x)
+            want = step(x)
+            torch.testing.assert_close(total, want[0])
+            assert type(mem) is _Memory and mem.layers[0] is mem.layers[2]
+            assert mem.seen == {"tokens": 3} and mem.layers[1].ready is True
+            torch.testing.assert_close(mem.layers[1].keys, want[1].layers[1].keys)
+            torch.testing.assert_close(slotted.state[1][0], want[2].state[1][0])
+            assert slotted.step == 1 and type(slotted) is _Slotted
+            kept.append((mem.layers[0].keys, want[1].layers[0].keys))
+    for got, expect in kept:
+        torch.testing.assert_close(got, expect)
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+    lin = nn.Linear(4, 4).to(device)
+    h = autograph.graphed(lambda x: _HoldsModule(lin, lin(x)))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 4, device=device)
+            torch.testing.assert_close(h(x).y, lin(x))
+    assert autograph.stats(h)["replays"] == 0
+
+
+def test_objects_the_call_returns(standin):
+    check_objects_the_call_returns()
+
+
 def check_returned_attribute_tensors_are_themselves(device="cpu"):
     """A tensor returned from a module's plain attribute (no parameter or buffer), or
     from a plain object the call reads and writes, is that tensor, as eager returns it

@@ -47,6 +47,7 @@ from ..test_guards import (
 )
 from ..test_objects import (
     check_a_cache_moved_every_call_runs_eagerly_without_giving_up,
+    check_a_forward_returning_a_dynamic_cache,
     check_a_graphed_sentence_transformer_fills_the_callers_features,
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
@@ -67,6 +68,7 @@ from ..test_usage import (
     check_flags_read_through_classes_and_globals,
     check_global_hooks_registered_through_any_name_are_seen,
     check_lists_and_dicts_a_module_holds,
+    check_objects_the_call_returns,
     check_overlapping_outputs_keep_their_layout,
     check_python_attributes_set_on_outputs_and_parameters,
     check_python_attributes_set_on_tensor_arguments,
@@ -326,3 +328,12 @@ def test_methods_graph_their_submodule_calls():
 def test_a_sampling_step_keeps_its_buckets():
     s = check_a_sampling_step_keeps_its_buckets("cuda")
     print("sampling step on CUDA:", s["padding"], s["replays"])
+
+
+def test_objects_the_call_returns():
+    check_objects_the_call_returns("cuda")
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
+def test_a_forward_returning_a_dynamic_cache(kind):
+    check_a_forward_returning_a_dynamic_cache(kind, "cuda")

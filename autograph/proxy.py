@@ -58,7 +58,7 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
         value = getattr(self.__wrapped__, name)
         if (inspect.ismethod(value) and value.__self__ is self.__wrapped__
                 and name not in _MODULE_API and not name.startswith("__")):
-            return _routed(value, self.__wrapped__, self._self_handle)
+            return _routed(value, self.__wrapped__, self._self_handle, self)
         return value
 
     def reset(self) -> None:
@@ -85,15 +85,47 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
 _MODULE_API = frozenset(name for name in dir(nn.Module) if callable(getattr(nn.Module, name)))
 
 
-def _routed(method: Callable[..., Any], module: Any, handle: Handle) -> Callable[..., Any]:
-    """``method`` with the module calls it makes routed through ``handle``."""
+def _routed(method: Callable[..., Any], module: Any, handle: Handle, proxy: Any
+            ) -> Callable[..., Any]:
+    """``method`` with the module calls it makes routed through ``handle``; a method
+    returning the module itself (``model = graphed(net).prepare()``) returns the proxy,
+    and a generator method's calls are routed while it runs (each step of it)."""
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def steps(*args: Any, **kwargs: Any) -> Any:
+            return _routed_steps(method(*args, **kwargs), module, handle)
+
+        return steps
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         with routing(module, handle):
-            return method(*args, **kwargs)
+            result = method(*args, **kwargs)
+        return proxy if result is module else result
 
     return call
+
+
+def _routed_steps(inner: Any, module: Any, handle: Handle) -> Any:
+    """The generator ``inner``, each of its steps run with the module's calls routed
+    (a ``with`` around the whole generator would route the caller's code between
+    steps too); values sent and exceptions thrown in pass through."""
+    sent: Any = None
+    thrown: BaseException | None = None
+    while True:
+        with routing(module, handle):
+            try:
+                value = inner.send(sent) if thrown is None else inner.throw(thrown)
+            except StopIteration as stop:
+                return stop.value
+        sent, thrown = None, None
+        try:
+            sent = yield value
+        except GeneratorExit:
+            inner.close()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - thrown in: the inner generator's
+            thrown = exc
 
 
 def _returns_self(name: str) -> Callable[..., Any]:

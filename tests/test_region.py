@@ -255,3 +255,46 @@ def check_methods_graph_their_submodule_calls(device="cpu"):
 
 def test_methods_graph_their_submodule_calls(standin):
     check_methods_graph_their_submodule_calls()
+
+
+class Prepared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def prepare(self):  # ends with ``return self``, as ultralytics' ``fuse()`` does
+        self.eval()
+        return self
+
+    def encode_iter(self, xs):
+        for x in xs:
+            got = yield self(x)
+            if got is not None:
+                yield got
+
+
+def test_methods_returning_the_module_or_yielding_stay_graphed(standin):
+    """A method returning the module returns the wrapper (it returned the bare module,
+    whose calls were never graphed), and a generator method's calls of the module run
+    through the wrapper's engine while it runs (they ran eagerly, uncounted)."""
+    m = Prepared()
+    g = autograph.graphed(m).prepare()
+    assert g is not m and isinstance(g, Prepared) and autograph.stats(g)["calls"] == 0
+    xs = [torch.randn(2, 8) for _ in range(6)]
+    with torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(g(x), m.lin(x))
+        outs = list(g.encode_iter(xs))
+        steps = g.encode_iter(xs[:2])
+        first = next(steps)
+        assert steps.send("sent") == "sent"
+        rest = list(steps)
+    for x, y in zip(xs, outs):
+        torch.testing.assert_close(y, m.lin(x))
+    torch.testing.assert_close(first, m.lin(xs[0]))
+    assert len(rest) == 1
+    s = autograph.stats(g)
+    assert s["calls"] == 6 + 6 + 2 and s["replays"] >= 10, s

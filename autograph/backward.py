@@ -54,6 +54,7 @@ from .capture import Backend, OnPool
 from .flat import size_leaf
 from .gradgraph import copy_all
 from .guards import Watch
+from .returned import Spliced
 from .stats import Stats
 from .vocab import EagerReason
 
@@ -169,7 +170,7 @@ class Trained(replay.Captured):
                  "spill_set", "owner", "held_reason", "want_backward", "backwards", "single",
                  "recompute", "unsupported",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
-                 "bump_after", "views", "bumps_held")
+                 "bump_after", "views", "bumps_held", "spliced", "flat")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -187,6 +188,11 @@ class Trained(replay.Captured):
         self.watch = watch
         self.stats = stats
         flat_out, self.spec = pytree.tree_flatten(out, is_leaf=size_leaf)
+        # objects the call made (returned.py): their tensors stand in their place
+        self.spliced: Spliced | None = getattr(base.build, "spliced", None)
+        self.flat = getattr(base.build, "flat", None)
+        if self.spliced is not None:
+            flat_out = self.spliced.splice(flat_out)
         # how a call's outputs are flattened as the spec has them (a Size one leaf);
         # without a Size, pytree's plain walk, which tests no node
         self.leaf = size_leaf if any(isinstance(v, torch.Size) for v in flat_out) else None
@@ -249,6 +255,7 @@ class Trained(replay.Captured):
         :meth:`lend`) a call that finds an earlier output held returns HELD too."""
         lock = self.pool.lock
         sources, spec, pool_idx, views = self.sources, self.spec, self.pool_idx, self.views
+        spliced = self.spliced
         state, inputs_state = self.state, self.inputs_state
 
         def run(leaves: Any) -> Any:
@@ -275,6 +282,8 @@ class Trained(replay.Captured):
                 flat[j] = outs[k]
             for view in views:
                 flat[view.position] = view.of(outs[view.base])
+            if spliced is not None:
+                flat = spliced.regroup(flat)
             return pytree.tree_unflatten(flat, spec)
 
         flags_list = list(self.flags)
@@ -364,7 +373,8 @@ class Trained(replay.Captured):
         single = self.single
         if single is not None:
             return call, (single.detach() if self.reuse else single.clone(),)
-        flat = pytree.tree_leaves(self.build(leaves), is_leaf=self.leaf)
+        flat = self.flat(leaves) if self.flat is not None else \
+            pytree.tree_leaves(self.build(leaves), is_leaf=self.leaf)
         box.append(flat)
         return call, tuple(flat[j] for j in self.pool_idx)
 

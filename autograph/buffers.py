@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from .flat import size_leaf
 from .mutation import storage_ptr
 from .objects import object_key
-from .returned import Returned
+from .returned import Spliced
 from .sharing import Shared, _extent, is_clone
 from .vocab import EagerReason, Uncapturable
 from .walk import Walked
@@ -143,7 +143,6 @@ def output_builder(
     aliases: bool = True,
     walks: tuple[tuple[int, Walked], ...] = (),
     themselves: set[int] | frozenset[int] = frozenset(),
-    open_objects: bool = True,
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
@@ -179,9 +178,9 @@ def output_builder(
                if not isinstance(v, (torch.Tensor, *_CONSTANT_OUTPUTS))}
     # objects the call made (a DynamicCache): their tensors stand in their place among
     # the outputs, and each call makes the object again around them (returned.py)
-    spans, regroup = ([], None) if not open_objects else _returned_objects(flat, objects)
-    if spans:
-        flat = _spliced(flat, spans)
+    spliced = Spliced.find(flat, objects)
+    if spliced is not None:
+        flat = spliced.splice(flat)
     inside = _object_storages(walks, arg_storage)
     makers: list[Callable[[list[Any]], Any]] = []
     for value in flat:
@@ -198,8 +197,8 @@ def output_builder(
         for k in group.members:
             makers[k] = _filled_by_group
 
-    if regroup is not None:
-        return _with_objects(spec, makers, shared, regroup, pool_outputs)
+    if spliced is not None:
+        return _with_objects(spec, makers, shared, spliced, pool_outputs)
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]) \
             and not _faithful(flat[0]):
         out0 = flat[0]
@@ -230,68 +229,21 @@ def output_builder(
     return build
 
 
-Span = tuple[int, Returned]  # an output leaf's index, the object returned there
-
-
-def _returned_objects(flat: list[Any], objects: dict[int, int]
-                      ) -> tuple[list[Span], Callable[[list[Any]], list[Any]] | None]:
-    """The output leaves that are objects the call made and :class:`Returned` opens,
-    and the function that puts each object back in place of its tensors."""
-    spans: list[Span] = []
-    for k, value in enumerate(flat):
-        if isinstance(value, (torch.Tensor, *_CONSTANT_OUTPUTS)) or id(value) in objects:
-            continue
-        found = Returned.find(value)
-        if found is not None:
-            spans.append((k, found))
-    if not spans:
-        return spans, None
-    counts = [len(found.tensors) for _, found in spans]
-
-    def regroup(made: list[Any]) -> list[Any]:
-        return _regrouped(made, spans, counts)
-
-    return spans, regroup
-
-
-def _spliced(flat: list[Any], spans: list[Span]) -> list[Any]:
-    """``flat`` with each opened object replaced by its tensors."""
-    out: list[Any] = []
-    at = 0
-    for k, found in spans:
-        out += flat[at:k]
-        out += found.tensors
-        at = k + 1
-    return out + flat[at:]
-
-
-def _regrouped(made: list[Any], spans: list[Span], counts: list[int]) -> list[Any]:
-    """The leaves made for a spliced output, each object made again around its
-    tensors: the output's own leaves, in pytree's order."""
-    out: list[Any] = []
-    at = 0  # in ``made``
-    prev = 0  # in the original leaves
-    for (k, found), n in zip(spans, counts):
-        plain = k - prev
-        out += made[at:at + plain]
-        at += plain
-        out.append(found.rebuild(made[at:at + n]))
-        at += n
-        prev = k + 1
-    return out + made[at:]
-
-
 def _with_objects(spec: Any, makers: list[Callable[[list[Any]], Any]], shared: list[Shared],
-                  regroup: Callable[[list[Any]], list[Any]], pool_outputs: list[Any]
-                  ) -> Callable[[list[Any]], Any]:
+                  spliced: Spliced, pool_outputs: list[Any]) -> Callable[[list[Any]], Any]:
     """The output builder of an output holding objects the call made."""
-    def build(call_leaves: list[Any]) -> Any:
+    def flat(call_leaves: list[Any]) -> list[Any]:
         made = [make(call_leaves) for make in makers]
         for group in shared:
             group.fill(made)
-        return pytree.tree_unflatten(regroup(made), spec)
+        return made
+
+    def build(call_leaves: list[Any]) -> Any:
+        return pytree.tree_unflatten(spliced.regroup(flat(call_leaves)), spec)
 
     build.pool_outputs = pool_outputs  # type: ignore[attr-defined]
+    # a training graph's Function returns the tensors; it makes the objects after it
+    build.spliced, build.flat = spliced, flat  # type: ignore[attr-defined]
     return build
 
 

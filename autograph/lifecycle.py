@@ -283,16 +283,13 @@ def _host_random_state(device: torch.device) -> tuple[Any, ...]:
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
             watch: Watch, inplace: tuple[int, ...], reuse: bool = False,
-            rng_free: bool = False, aliases: bool = True, objects: bool = True
-            ) -> Captured:
+            rng_free: bool = False, aliases: bool = True) -> Captured:
     """Capture the call on static buffers (arguments at ``inplace`` at the caller's own
     address).  Nothing has run when it returns: the first replay produces the result.
     ``rng_free``: its warmup drew no random numbers; capture it without the device's
     generator (``Backend.capture``), or raise :class:`RandomFound` if it draws some.
     ``reuse``: the outputs are handed out, so the graph gets a pool of its own (in the
-    shared one, a later graph could place its outputs in memory this one writes).
-    ``objects``: objects the call makes and returns are made again per call
-    (returned.py); else such a call is not captured (training graphs)."""
+    shared one, a later graph could place its outputs in memory this one writes)."""
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
     if reuse:
         backend = OnPool(backend, backend.private_pool(device))
@@ -367,7 +364,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     themselves = {id(t) for t in (*watch.tensors(), *watch.named(), *kept)}
     build = output_builder(out, leaves, static, inplace, persistent, reuse, aliases,
                            tuple((pos, walked) for pos, walked, _, _ in flat.objects),
-                           themselves, objects)
+                           themselves)
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]

@@ -187,6 +187,56 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
+class Spliced:
+    """The objects among a call's flat outputs (their indexes and walks): how the flat
+    outputs look with each object's tensors in its place (:meth:`splice`), and back
+    (:meth:`regroup`, each object made again around its tensors)."""
+
+    __slots__ = ("spans",)
+
+    def __init__(self, spans: list[tuple[int, Returned]]) -> None:
+        self.spans = spans
+
+    @staticmethod
+    def find(flat: list[Any], skip: Any = ()) -> Spliced | None:
+        """The objects :class:`Returned` opens among ``flat`` (none whose id is in
+        ``skip``: object arguments returned as they are), or None if there is none."""
+        spans = []
+        for k, value in enumerate(flat):
+            if id(value) in skip:
+                continue
+            found = open_leaf(value)
+            if found is not None:
+                spans.append((k, found))
+        return Spliced(spans) if spans else None
+
+    def splice(self, flat: list[Any]) -> list[Any]:
+        """The captured flat outputs ``flat`` with each object replaced by its tensors."""
+        out: list[Any] = []
+        at = 0
+        for k, found in self.spans:
+            out += flat[at:k]
+            out += found.tensors
+            at = k + 1
+        return out + flat[at:]
+
+    def regroup(self, made: list[Any]) -> list[Any]:
+        """The leaves of an output spliced so, each object made again around its
+        tensors, in pytree's order."""
+        out: list[Any] = []
+        at = 0  # in ``made``
+        prev = 0  # in the output's own leaves
+        for k, found in self.spans:
+            plain = k - prev
+            out += made[at:at + plain]
+            at += plain
+            n = len(found.tensors)
+            out.append(found.rebuild(made[at:at + n]))
+            at += n
+            prev = k + 1
+        return out + made[at:]
+
+
 def open_leaf(value: Any) -> Returned | None:
     """The walk of an output leaf that is an object (not a tensor or a constant), or
     None if it is none or cannot be made again."""

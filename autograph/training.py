@@ -28,6 +28,7 @@ from .capture import Backend, OnPool
 from .flat import Flat
 from .guards import Watch
 from .mutation import storage_ptr
+from .returned import opened
 from .stats import Stats
 from .vocab import EagerReason, Uncapturable
 
@@ -178,7 +179,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     # outputs cloned one by one: views of one copy returned by the autograd Function
     # would be views created inside a custom Function (in-place on them raises)
     base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
-                             rng_free=rng_free, aliases=False, objects=False)
+                             rng_free=rng_free, aliases=False)
     if base.effects is not None:  # Trained's replay does not apply them
         raise Uncapturable(UNSUPPORTED, "the call advances a host counter of an argument "
                            "object (counters.py)")
@@ -236,7 +237,7 @@ def _check_outputs(out: Any, base: replay.Captured, leaves: Any, watch: Watch) -
     pooled = {id(t) for t in getattr(base.build, "pool_outputs", ())}
     own = {id(t) for t in watch.tensors()} | {id(b) for b in base.static.buffers}
     own.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
-    for t in pytree.tree_leaves(out):
+    for t in opened(pytree.tree_leaves(out)):
         if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in pooled \
                 and id(t) not in own:
             raise Uncapturable(UNSUPPORTED, "an output that requires grad is a view of "

@@ -1,6 +1,7 @@
 """Arguments that are objects holding tensors (objects.py), and graphed(model)'s own
 methods (generate), on the CPU stand-in; transformers tests skip without it."""
 
+import copy
 import dataclasses
 import gc
 import weakref
@@ -462,6 +463,47 @@ def check_a_forward_returning_a_dynamic_cache(kind="llama", device="cpu"):
             assert torch.equal(on, ref)
     s = autograph.stats(g)
     assert s["replays"] >= 3, (s["eager_reasons"], s["eager_details"])
+
+
+def check_training_a_model_that_returns_a_dynamic_cache(device="cpu"):
+    """Training a causal LM with its default ``use_cache`` (the forward returns a new
+    ``DynamicCache``, which ran eagerly): forward and backward graphs replay, losses
+    and gradients equal eager's, and the cache's tensors have their autograd history
+    (a grad-on ``eval()`` call replays too)."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+                                  n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg).to(device).train()
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    for _ in range(6):
+        ids = torch.randint(1, 96, (2, 9), device=device)
+        got, want = g(ids, labels=ids), twin(ids, labels=ids)
+        torch.testing.assert_close(got.loss, want.loss)
+        layer = got.past_key_values.layers[0]
+        assert layer.keys.requires_grad and layer.keys.grad_fn is not None
+        got.loss.backward()
+        want.loss.backward()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["backward_replays"] >= 3, s
+    model.eval()
+    twin.eval()
+    for _ in range(5):
+        ids = torch.randint(1, 96, (2, 9), device=device)
+        got, want = g(ids), twin(ids)
+        torch.testing.assert_close(got.logits, want.logits)
+    assert autograph.stats(g)["replays"] >= s["replays"] + 2
+
+
+def test_training_a_model_that_returns_a_dynamic_cache():
+    check_training_a_model_that_returns_a_dynamic_cache()
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])

@@ -51,6 +51,7 @@ from ..test_objects import (
     check_a_graphed_sentence_transformer_fills_the_callers_features,
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
+    check_training_a_model_that_returns_a_dynamic_cache,
 )
 from ..test_region import check_methods_graph_their_submodule_calls
 from ..test_usage import (
@@ -337,3 +338,7 @@ def test_objects_the_call_returns():
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen2"])
 def test_a_forward_returning_a_dynamic_cache(kind):
     check_a_forward_returning_a_dynamic_cache(kind, "cuda")
+
+
+def test_training_a_model_that_returns_a_dynamic_cache():
+    check_training_a_model_that_returns_a_dynamic_cache("cuda")

@@ -450,17 +450,19 @@ def check_a_forward_returning_a_dynamic_cache(kind="llama", device="cpu"):
             with autograph.disabled():
                 want = model(ids)
             got = g(ids)
-            assert torch.equal(got.logits, want.logits)
+            # (on CUDA a graph's kernels may round otherwise than the eager run's)
+            torch.testing.assert_close(got.logits, want.logits)
             cache, expect = got.past_key_values, want.past_key_values
             assert type(cache) is type(expect) and len(cache.layers) == len(expect.layers)
             for a, b in zip(cache.layers, expect.layers):
                 assert type(a) is type(b) and vars(a).keys() == vars(b).keys()
-                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-            step = got.logits[:, -1:].argmax(-1)
+                torch.testing.assert_close(a.keys, b.keys)
+                torch.testing.assert_close(a.values, b.values)
+            step = want.logits[:, -1:].argmax(-1)
             with autograph.disabled():
                 on = model(step, past_key_values=cache).logits
                 ref = model(step, past_key_values=expect).logits
-            assert torch.equal(on, ref)
+            torch.testing.assert_close(on, ref)
     s = autograph.stats(g)
     assert s["replays"] >= 3, (s["eager_reasons"], s["eager_details"])
 

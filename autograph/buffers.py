@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from .flat import size_leaf
 from .mutation import storage_ptr
 from .objects import object_key
-from .returned import Spliced
+from .returned import Refused, Spliced, containers_of
 from .sharing import Shared, _extent, is_clone
 from .vocab import EagerReason, Uncapturable
 from .walk import Walked
@@ -143,6 +143,7 @@ def output_builder(
     aliases: bool = True,
     walks: tuple[tuple[int, Walked], ...] = (),
     themselves: set[int] | frozenset[int] = frozenset(),
+    known: Iterable[Any] = (),
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
@@ -163,6 +164,10 @@ def output_builder(
       are cloned together and handed out as the same views of one copy, as eager
       returns them (:class:`sharing.Shared`; not with ``aliases=False``).
 
+    Objects the call made (pytree does not open them) are made again per call around
+    their tensors, treated as outputs like any other (returned.py); what existed
+    before the call (``known`` and what it reaches) is returned as itself.
+
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
     flat, spec = pytree.tree_flatten(output, is_leaf=size_leaf)  # a Size: one constant
@@ -178,7 +183,12 @@ def output_builder(
                if not isinstance(v, (torch.Tensor, *_CONSTANT_OUTPUTS))}
     # objects the call made (a DynamicCache): their tensors stand in their place among
     # the outputs, and each call makes the object again around them (returned.py)
-    spliced = Spliced.find(flat, objects)
+    try:
+        spliced = Spliced.find(flat, objects, known, containers_of(output))
+    except Refused as refused:
+        raise Uncapturable(EagerReason.OUTPUT, f"output of type "
+                           f"{type(refused.value).__qualname__} cannot be made again by a "
+                           f"replay: it holds {refused.why}") from None
     if spliced is not None:
         flat = spliced.splice(flat)
     inside = _object_storages(walks, arg_storage)

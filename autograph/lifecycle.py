@@ -203,6 +203,17 @@ def _check_attributes(outs: list[torch.Tensor], flat: Flat, state: list[torch.Te
                                "(a replay hands out copies without them)")
 
 
+def _before_the_call(watch: Watch, flat: Flat, refs: list[Any]) -> list[Any]:
+    """What a call's returned objects may hold that existed before the call (returned
+    as itself, with what it reaches): the watched modules' plain attributes and
+    tensors, the arguments, and the values of the names the code reads."""
+    internals = containers.MODULE_INTERNALS
+    attributes = [v for m in watch.every_module() for k, v in vars(m).items()
+                  if k not in internals]
+    args, kwargs = flat.call()
+    return [*attributes, *watch.tensors(), *flat.leaves, *args, *kwargs.values(), *refs]
+
+
 def _check_held(held: containers.Held, restore: bool) -> None:
     """Raise if the call changed a list, dict or set a module holds (with ``restore``,
     at a capture, after giving it back what it held: the call then runs eagerly)."""
@@ -364,7 +375,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     themselves = {id(t) for t in (*watch.tensors(), *watch.named(), *kept)}
     build = output_builder(out, leaves, static, inplace, persistent, reuse, aliases,
                            tuple((pos, walked) for pos, walked, _, _ in flat.objects),
-                           themselves)
+                           themselves, _before_the_call(watch, flat, refs))
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]

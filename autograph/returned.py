@@ -3,57 +3,104 @@ that a causal language model's forward makes (``model(ids)`` returns one while
 ``use_cache`` is on), an object of the user's own holding tensors.
 
 A replay runs no Python, so such an object cannot be made by the call; it is made by
-the output builder instead, on every call, with the same structure as the object the
-capture returned and the call's own output tensors in it (clones of the graph's, as
-for every output).  Only plain objects are opened: instances of classes that copy as
-plain objects do (no ``__deepcopy__``, ``__reduce__``, ``__getstate__`` or
-``__setstate__`` of their own), holding tensors, constants, lists, tuples, dicts and
-other such objects.  Anything else (a module, a function, a lock) keeps the key eager,
-as before.
+the output builder instead, on every call, with the same structure as the objects the
+capture returned and the call's own output tensors in them (clones of the graph's, as
+for every output).  One walk covers every returned object, so an object returned
+twice, or reached from two of them, is made once per call.  What existed before the
+call (a module's plain attributes, the arguments, what the code names, parameters and
+buffers, and everything reachable from them) is returned as itself, as eager returns
+it.  Only plain objects are made again: instances of classes that copy as plain
+objects do (no ``__deepcopy__``, ``__reduce__``, ``__getstate__`` or ``__setstate__`` of
+their own), holding tensors, constants, lists, tuples, dicts and other such objects.
+Anything else (a module, a function, a lock), a tuple in a cycle, or a container the
+output also holds outside the objects keeps the key eager, as before.
 """
 
 from __future__ import annotations
 
+import enum
 import types
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-MAX_NODES = 10_000  # objects, containers and values walked in one returned object
+MAX_NODES = 10_000  # objects, containers and values walked in a call's returned objects
 
 _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
-          torch.Size, slice, range, type(Ellipsis), type)
-_CONTAINERS = (list, tuple, dict)
+          torch.Size, slice, range, type(Ellipsis), type, enum.Enum)
 # object's own: classes that define none of these copy as plain objects
 _PROTOCOL = ("__deepcopy__", "__copy__", "__reduce__", "__reduce_ex__", "__getstate__",
              "__setstate__", "__getnewargs__", "__getnewargs_ex__")
+_UNMADE = object()
+_IN_PROGRESS = ("in progress",)
 
 
-class Returned:
-    """One returned object: its tensors (in walk order) and how to make the object again
-    around other tensors (:meth:`rebuild`), keeping its structure, its constants, and
-    which parts are one object (a layer listed twice stays one layer)."""
+class Spliced:
+    """The objects among a call's flat outputs, walked together: how the flat outputs
+    look with each object's tensors in its place (:meth:`splice`), and back
+    (:meth:`regroup`, the objects made again around other tensors)."""
 
-    __slots__ = ("tensors", "_nodes", "_root")
+    __slots__ = ("spans", "tensors", "_nodes")
 
-    def __init__(self, tensors: list[torch.Tensor], nodes: list[Any], root: int) -> None:
+    def __init__(self, spans: list[tuple[int, int, int, int]], tensors: list[torch.Tensor],
+                 nodes: list[Any]) -> None:
+        self.spans = spans  # per object: (flat index, root node, first tensor, end)
         self.tensors = tensors
-        self._nodes = nodes  # per node: ("tensor", i) | ("atom", v) | (kind, cls, children)
-        self._root = root
+        self._nodes = nodes  # ("tensor", i) | ("atom", v) | (kind, cls, children...)
 
     @staticmethod
-    def find(value: Any) -> Returned | None:
-        """The walk of ``value``, or None where it holds what cannot be made again."""
-        walker = _Walk()
-        root = walker.node(value)
-        if root is None:
-            return None
-        return Returned(walker.tensors, walker.nodes, root)
+    def find(flat: list[Any], skip: Any = (), known: Iterable[Any] = (),
+             outside: Any = ()) -> Spliced | None:
+        """The objects among ``flat`` (none whose id is in ``skip``: object arguments
+        returned as they are), walked, or None if there is none.  ``known``: values
+        that existed before the call (returned as themselves, with what they reach);
+        ``outside``: the output's containers outside the objects (pytree's: reached
+        from inside an object, the key runs eagerly).  Raises :class:`Refused` where
+        an object cannot be made again."""
+        walk = _Walk(known, outside)
+        spans = []
+        for k, value in enumerate(flat):
+            if id(value) in skip or isinstance(value, (torch.Tensor, *_ATOMS)) \
+                    or walk.is_known(value):
+                continue
+            first = len(walk.tensors)
+            root = walk.node(value)
+            if root is None:
+                raise Refused(value, walk.why)
+            spans.append((k, root, first, len(walk.tensors)))
+        return Spliced(spans, walk.tensors, walk.nodes) if spans else None
 
-    def rebuild(self, tensors: list[Any]) -> Any:
-        """The object again, with ``tensors`` in place of :attr:`tensors`."""
-        made: list[Any] = [_UNMADE] * len(self._nodes)
-        return self._make(self._root, tensors, made)
+    def splice(self, flat: list[Any]) -> list[Any]:
+        """The captured flat outputs ``flat`` with each object replaced by its tensors."""
+        out: list[Any] = []
+        at = 0
+        for k, _, first, end in self.spans:
+            out += flat[at:k]
+            out += self.tensors[first:end]
+            at = k + 1
+        return out + flat[at:]
+
+    def regroup(self, made: list[Any]) -> list[Any]:
+        """The leaves of an output spliced so, each object made again around its
+        tensors (each part once per call), in pytree's order."""
+        tensors: list[Any] = []
+        out: list[Any] = []
+        at = 0  # in ``made``
+        prev = 0  # in the output's own leaves
+        for k, _, first, end in self.spans:
+            plain = k - prev
+            out += made[at:at + plain]
+            at += plain
+            tensors += made[at:at + end - first]
+            out.append(None)  # the object, made below
+            at += end - first
+            prev = k + 1
+        out += made[at:]
+        built: list[Any] = [_UNMADE] * len(self._nodes)
+        for k, root, _, _ in self.spans:
+            out[k] = self._make(root, tensors, built)
+        return out
 
     def _make(self, k: int, tensors: list[Any], made: list[Any]) -> Any:
         if made[k] is not _UNMADE:
@@ -85,40 +132,61 @@ class Returned:
         return out
 
 
-_UNMADE = object()
+class Refused(Exception):
+    """A returned object that cannot be made again (``why`` says what it holds)."""
+
+    def __init__(self, value: Any, why: str) -> None:
+        super().__init__(why)
+        self.value = value
+        self.why = why
 
 
 class _Walk:
-    """Numbers every value reachable from a returned object once (by identity)."""
+    """Numbers every value reachable from the returned objects once (by identity)."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: Iterable[Any], outside: Any) -> None:
         self.nodes: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.ids: dict[int, int] = {}
+        self.known = reachable(known)
+        self.outside = outside
+        self.why = ""
+
+    def is_known(self, value: Any) -> bool:
+        return id(value) in self.known
 
     def node(self, value: Any) -> int | None:
-        known = self.ids.get(id(value))
-        if known is not None:
-            return known
+        k = self.ids.get(id(value))
+        if k is not None:
+            if self.nodes[k] is _IN_PROGRESS and isinstance(value, tuple):
+                return self._refuse("a tuple in a cycle")
+            return k
         if len(self.nodes) >= MAX_NODES:
-            return None
+            return self._refuse("too many values")
         k = len(self.nodes)
         self.ids[id(value)] = k
-        self.nodes.append(None)
+        self.nodes.append(_IN_PROGRESS)
         node = self._describe(value)
         if node is None:
             return None
         self.nodes[k] = node
         return k
 
+    def _refuse(self, why: str) -> Any:
+        """Nothing (the walk fails), noting the first reason why."""
+        self.why = self.why or why
+        return None
+
     def _describe(self, value: Any) -> Any:
+        if id(value) in self.known or isinstance(value, _ATOMS):
+            return ("atom", value)  # made before the call, or a constant: itself
+        if id(value) in self.outside:
+            return self._refuse("a container the output also holds outside the object")
         if isinstance(value, torch.Tensor):
             if type(value) is not torch.Tensor or value.layout is not torch.strided:
-                return None
+                return self._refuse(f"a {type(value).__name__} that is no plain tensor")
             self.tensors.append(value)
             return ("tensor", len(self.tensors) - 1)
-        if isinstance(value, _ATOMS):
-            return ("atom", value)
         if type(value) is list:
             return self._children("list", list, value)
         if type(value) is dict:
@@ -145,7 +213,7 @@ class _Walk:
     def _object(self, value: Any) -> Any:
         cls = type(value)
         if not _plain_class(cls) or not (hasattr(value, "__dict__") or _slot_names(cls)):
-            return None
+            return self._refuse(f"a {cls.__qualname__}, which is made otherwise")
         names = []
         for name, item in getattr(value, "__dict__", {}).items():
             c = self.node(item)
@@ -154,7 +222,7 @@ class _Walk:
             names.append((name, c))
         slots = []
         for name in _slot_names(cls):
-            if name in ("__dict__", "__weakref__") or not hasattr(value, name):
+            if not hasattr(value, name):
                 continue
             c = self.node(getattr(value, name))
             if c is None:
@@ -180,77 +248,78 @@ def _plain_class(cls: type) -> bool:
 
 
 def _slot_names(cls: type) -> list[str]:
+    """The attribute names of ``cls``'s slots (private ones as Python mangles them)."""
     names: list[str] = []
     for klass in cls.__mro__:
         slots = vars(klass).get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                owner = klass.__name__.lstrip("_")
+                name = f"_{owner}{name}" if owner else name
+            names.append(name)
     return names
 
 
-class Spliced:
-    """The objects among a call's flat outputs (their indexes and walks): how the flat
-    outputs look with each object's tensors in its place (:meth:`splice`), and back
-    (:meth:`regroup`, each object made again around its tensors)."""
-
-    __slots__ = ("spans",)
-
-    def __init__(self, spans: list[tuple[int, Returned]]) -> None:
-        self.spans = spans
-
-    @staticmethod
-    def find(flat: list[Any], skip: Any = ()) -> Spliced | None:
-        """The objects :class:`Returned` opens among ``flat`` (none whose id is in
-        ``skip``: object arguments returned as they are), or None if there is none."""
-        spans = []
-        for k, value in enumerate(flat):
-            if id(value) in skip:
-                continue
-            found = open_leaf(value)
-            if found is not None:
-                spans.append((k, found))
-        return Spliced(spans) if spans else None
-
-    def splice(self, flat: list[Any]) -> list[Any]:
-        """The captured flat outputs ``flat`` with each object replaced by its tensors."""
-        out: list[Any] = []
-        at = 0
-        for k, found in self.spans:
-            out += flat[at:k]
-            out += found.tensors
-            at = k + 1
-        return out + flat[at:]
-
-    def regroup(self, made: list[Any]) -> list[Any]:
-        """The leaves of an output spliced so, each object made again around its
-        tensors, in pytree's order."""
-        out: list[Any] = []
-        at = 0  # in ``made``
-        prev = 0  # in the output's own leaves
-        for k, found in self.spans:
-            plain = k - prev
-            out += made[at:at + plain]
-            at += plain
-            n = len(found.tensors)
-            out.append(found.rebuild(made[at:at + n]))
-            at += n
-            prev = k + 1
-        return out + made[at:]
+def reachable(roots: Iterable[Any], limit: int = MAX_NODES) -> set[int]:
+    """The ids of ``roots`` and of the containers and plain objects they reach (not
+    into tensors or modules' internals): what a call's output may hold that existed
+    before the call."""
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack and len(seen) < limit:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (torch.Tensor, *_ATOMS)):
+            if isinstance(value, torch.Tensor):
+                seen.add(id(value))
+            continue
+        seen.add(id(value))
+        if isinstance(value, (list, tuple, set, frozenset)):
+            stack.extend(value)
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, torch.nn.Module):
+            continue  # its attributes are roots of their own (the watched modules')
+        else:
+            stack.extend(getattr(value, "__dict__", {}).values())
+    return seen
 
 
-def open_leaf(value: Any) -> Returned | None:
-    """The walk of an output leaf that is an object (not a tensor or a constant), or
-    None if it is none or cannot be made again."""
+def containers_of(output: Any) -> set[int]:
+    """The ids of the lists, tuples and dicts that pytree opens in ``output`` (outside
+    any object): such a container reached from inside an object would be two."""
+    ids: set[int] = set()
+    stack = [output]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (list, tuple)):
+            ids.add(id(value))
+            stack.extend(value)
+        elif isinstance(value, dict):
+            ids.add(id(value))
+            stack.extend(value.values())
+    return ids
+
+
+def open_leaf(value: Any) -> list[Any] | None:
+    """The tensors of an output leaf that is an object made again per call (for
+    comparisons of outputs), or None if it is none."""
     if isinstance(value, (torch.Tensor, *_ATOMS)):
         return None
-    return Returned.find(value)
+    try:
+        found = Spliced.find([value])
+    except Refused:
+        return None
+    return found.tensors if found is not None else None
 
 
 def opened(leaves: list[Any]) -> list[Any]:
-    """``leaves`` with each object that :class:`Returned` opens replaced by its tensors
-    (what comparisons of outputs look at: two caches are equal by their tensors)."""
+    """``leaves`` with each object that is made again replaced by its tensors (what
+    comparisons of outputs look at: two caches are equal by their tensors)."""
     out: list[Any] = []
     for leaf in leaves:
         found = open_leaf(leaf)
-        out.extend(found.tensors if found is not None else [leaf])
+        out.extend(found if found is not None else [leaf])
     return out
-

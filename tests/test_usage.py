@@ -9,6 +9,7 @@ happened; where the call must run eagerly, that it did.  Reason strings are not 
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import enum
@@ -540,6 +541,22 @@ class FillsOnce(nn.Module):
         return self.lin(x) * self.scales[x.shape]
 
 
+class KeepsNested(nn.Module):
+    """Stores into a dict inside an ``OrderedDict`` it holds, and a ``defaultdict``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.feats = collections.OrderedDict(a={})
+        self.log = collections.defaultdict(list)
+
+    def forward(self, x):
+        y = self.lin(x)
+        self.feats["a"]["last"] = y * 2
+        self.log["norms"].append(y.norm())
+        return y
+
+
 def check_lists_and_dicts_a_module_holds(device="cpu"):
     """A forward that changes a list or dict its module holds (``self.maps.append``)
     runs eagerly: a replay would not append, and the map the capture appended was the
@@ -557,6 +574,15 @@ def check_lists_and_dicts_a_module_holds(device="cpu"):
     for got, want in zip(m.maps, twin.maps):
         torch.testing.assert_close(got, want)
     assert autograph.stats(g)["eager_reasons"].get("assigns_attribute", 0) >= 3
+    nested, twin = KeepsNested().to(device), KeepsNested().to(device)
+    twin.load_state_dict(nested.state_dict())
+    g = autograph.graphed(nested)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+            torch.testing.assert_close(nested.feats["a"]["last"], twin.feats["a"]["last"])
+    assert len(nested.log["norms"]) == 6
     lazy = FillsOnce().to(device)
     g = autograph.graphed(lazy)
     with torch.no_grad():
@@ -599,8 +625,9 @@ def check_objects_the_call_returns(device="cpu"):
     """An object the call makes and returns (a transformers ``DynamicCache``, a user's
     cache or state class, with slots or a dict) is made again per call around clones
     of the graph's tensors: same type, attributes and identities inside (one layer
-    listed twice stays one), never overwritten later; such calls ran eagerly.  An
-    object holding a module still runs eagerly."""
+    listed twice stays one), never overwritten later; such calls ran eagerly.  What
+    existed before the call (a module) is returned as itself; an object holding what
+    cannot be made again (a lock) runs eagerly."""
     torch.manual_seed(0)
     w = torch.randn(4, 4, device=device)
 
@@ -629,14 +656,86 @@ def check_objects_the_call_returns(device="cpu"):
     lin = nn.Linear(4, 4).to(device)
     h = autograph.graphed(lambda x: _HoldsModule(lin, lin(x)))
     with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(3, 4, device=device)
+            got = h(x)
+            torch.testing.assert_close(got.y, lin(x))
+            assert got.m is lin  # made before the call: itself, as eager returns it
+    assert autograph.stats(h)["replays"] >= 2
+    lock = threading.Lock()  # made by the call and held: no replay can make it again
+    k = autograph.graphed(lambda x: _HoldsModule(threading.Lock(), x * 2))
+    with torch.no_grad():
         for _ in range(4):
             x = torch.randn(3, 4, device=device)
-            torch.testing.assert_close(h(x).y, lin(x))
-    assert autograph.stats(h)["replays"] == 0
+            torch.testing.assert_close(k(x).y, x * 2)
+    assert autograph.stats(k)["replays"] == 0 and lock is not None
 
 
 def test_objects_the_call_returns(standin):
     check_objects_the_call_returns()
+
+
+class _Private:
+    __slots__ = ("__state", "out")  # stored as _Private__state
+
+    def __init__(self, state, out):
+        self.__state, self.out = state, out
+
+    @property
+    def state(self):
+        return self.__state
+
+
+class _Kind(enum.Enum):
+    SCORE = 1
+
+
+class _Vocab:
+    def __init__(self):
+        self.labels = ["neg", "pos"]
+
+
+class _Prediction:
+    def __init__(self, logits, vocab, weight):
+        self.logits, self.vocab, self.weight, self.kind = logits, vocab, weight, _Kind.SCORE
+
+
+class _Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.vocab = _Vocab()
+
+    def forward(self, x):
+        h = self.lin(x)
+        pred = _Prediction(h, self.vocab, self.lin.weight)
+        return {"pred": pred, "again": [pred, pred], "private": _Private(h.tanh(), h)}
+
+
+def check_returned_objects_keep_identities(device="cpu"):
+    """Returned objects: one object returned in several places is one object per call;
+    what existed before the call (the module's vocabulary, a parameter) is itself, so a
+    later change to it shows; private slots, enums inside are kept."""
+    torch.manual_seed(0)
+    m = _Classifier().to(device).eval()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for step in range(6):
+            if step == 4:
+                m.vocab.labels[1] = "positive"
+            x = torch.randn(3, 4, device=device)
+            out = g(x)
+            pred = out["pred"]
+            assert pred is out["again"][0] is out["again"][1]
+            assert pred.vocab is m.vocab and pred.weight is m.lin.weight
+            assert pred.kind is _Kind.SCORE and pred.vocab.labels[1] == m.vocab.labels[1]
+            torch.testing.assert_close(pred.logits, m.lin(x))
+            torch.testing.assert_close(out["private"].state, m.lin(x).tanh())
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+
+def test_returned_objects_keep_identities(standin):
+    check_returned_objects_keep_identities()
 
 
 def check_returned_attribute_tensors_are_themselves(device="cpu"):
@@ -2221,6 +2320,34 @@ def check_classmethods_decorated_in_the_class_body(device: str = "cpu") -> None:
 
 def test_classmethods_decorated_in_the_class_body(standin):
     check_classmethods_decorated_in_the_class_body()
+
+
+def check_class_tensors_and_modules_are_guarded(device: str = "cpu") -> None:
+    """A tensor or module a class holds, read through a classmethod's ``cls`` or a
+    global class, rebound between calls: the graphs see it (only plain values were
+    guarded: replays kept the old tensor and module)."""
+    codebook = type("Codebook", (), {
+        "table": torch.ones(4, 4, device=device),
+        "proj": nn.Linear(4, 4).to(device),
+        "encode": classmethod(autograph.graphed(lambda cls, x: cls.proj(x @ cls.table)))})
+
+    def eager(x):
+        return codebook.proj(x @ codebook.table)
+
+    with torch.no_grad():
+        for step in range(9):
+            if step == 4:
+                codebook.table = torch.full((4, 4), 3.0, device=device)
+            if step == 6:
+                codebook.proj = nn.Linear(4, 4).to(device)
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(codebook.encode(x), eager(x))
+    s = autograph.stats(codebook.encode)
+    assert s["invalidations"] >= 2 and s["replays"] >= 1, s
+
+
+def test_class_tensors_and_modules_are_guarded(standin):
+    check_class_tensors_and_modules_are_guarded()
 
 
 def check_running_statistics_written_under_inference_mode(device: str = "cpu") -> None:

@@ -35,6 +35,7 @@ from ..test_buckets import (
     check_a_sampling_step_keeps_its_buckets,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
     check_padded_outputs_have_eager_layout,
+    check_the_padding_check_leaves_the_generator_as_it_found_it,
 )
 from ..test_guards import (
     check_argument_sharing_a_hidden_tensor,
@@ -61,6 +62,7 @@ from ..test_usage import (
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_attention_kernel_choices_are_keyed,
+    check_class_tensors_and_modules_are_guarded,
     check_classmethods_decorated_in_the_class_body,
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
@@ -75,6 +77,7 @@ from ..test_usage import (
     check_python_attributes_set_on_tensor_arguments,
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
+    check_returned_objects_keep_identities,
     check_running_statistics_written_under_inference_mode,
     check_shared_outputs_keep_conjugate_and_negative_bits,
     check_sparse_and_nested_outputs_run_eagerly,
@@ -342,3 +345,15 @@ def test_a_forward_returning_a_dynamic_cache(kind):
 
 def test_training_a_model_that_returns_a_dynamic_cache():
     check_training_a_model_that_returns_a_dynamic_cache("cuda")
+
+
+def test_returned_objects_keep_identities():
+    check_returned_objects_keep_identities("cuda")
+
+
+def test_the_padding_check_leaves_the_generator_as_it_found_it():
+    check_the_padding_check_leaves_the_generator_as_it_found_it("cuda")
+
+
+def test_class_tensors_and_modules_are_guarded():
+    check_class_tensors_and_modules_are_guarded("cuda")

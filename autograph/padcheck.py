@@ -108,19 +108,20 @@ def _problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: 
              regions: dict[Key, Region]) -> str | None:
     """:func:`problem` on these values."""
     real = size_of(batch[0][1], batch[0][2])
+    start = _random_state(args, kwargs)  # before the poison: it draws too
     plain_args, plain_kwargs = copies(args, kwargs)
     pad_args, pad_kwargs = copies(args, kwargs)
     _poison(written, names, plain_args, plain_kwargs, pad_args, pad_kwargs)
     pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
     padded = padded_call(pad_args, pad_kwargs, pad_batch, size, fills)
-    start = _random_state(args, kwargs)
+    after_poison = _random_state(args, kwargs)
     try:
         with torch.no_grad():
             try:
                 expect = eager(plain_args, plain_kwargs)
             except Exception:  # noqa: BLE001 - a bad call, not a verdict on padding
                 return UNCHECKED
-            _set_random_state(start)  # the same draws in both runs (a sampler's rows)
+            _set_random_state(after_poison)  # the same draws in both runs (a sampler's)
             try:
                 got = slice_back(eager(*padded), size, real, out_dim(batch))
             except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe

@@ -135,6 +135,41 @@ def test_a_sampling_step_keeps_its_buckets(standin):
     check_a_sampling_step_keeps_its_buckets()
 
 
+def check_the_padding_check_leaves_the_generator_as_it_found_it(device="cpu"):
+    """A bucketed step writing a cache (the check fills copies of it with random
+    values) followed by sampling on the global generator: the samples equal eager's
+    (the check's draws moved the generator: they differed from the second step on)."""
+    torch.manual_seed(0)
+    weight = torch.randn(8, 8, device=device)
+
+    def decode(x, cache, slot):
+        cache[slot] = x
+        return torch.softmax(x @ weight, -1)
+
+    g = autograph.graphed(decode, buckets=[4, 8], pad_values={"slot": 8},
+                          pad_writes={"cache": (0, 8)})
+
+    def run(fn):
+        torch.manual_seed(1)
+        data = torch.Generator(device=device).manual_seed(2)
+        cache, tokens = torch.zeros(9, 8, device=device), []
+        for batch in [3, 3, 3, 3, 3, 5, 5, 5, 5, 2, 2, 2]:
+            x = torch.randn(batch, 8, generator=data, device=device)
+            probs = fn(x, cache, torch.arange(batch, device=device))
+            tokens.append(torch.multinomial(probs, 1).flatten())
+        return tokens
+
+    with torch.inference_mode():
+        want, got = run(decode), run(g)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+
+def test_the_padding_check_leaves_the_generator_as_it_found_it(standin):
+    check_the_padding_check_leaves_the_generator_as_it_found_it()
+
+
 def check_a_branch_on_the_batch_size_is_checked_per_size(device="cpu"):
     """Code that branches on the real batch size (``if x.shape[0] > 5``): the padding
     check runs once per real size of a bucket, not once per bucket (sizes 5, 4 and 3

@@ -183,30 +183,46 @@ def _put(result: Any, slots: tuple[int, ...] | None, mine: Any) -> Any:
 
 # -- containers that modules hold -------------------------------------------------------
 # what ``nn.Module.__init__`` puts in a module's ``__dict__`` (parameters, hooks, ...)
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))
-_HELD_TYPES = (list, dict, set, collections.deque)
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
+_HELD_TYPES = (list, dict, set, collections.deque)  # and their subclasses
+MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchecked)
 
-# ("Module.name", the container, the ids of what it holds, a shallow copy)
+# ("Module.name", a container it holds (or one inside it), the ids of what that holds,
+# a shallow copy)
 Held = list[tuple[str, Any, tuple[int, ...], Any]]
 MODULE_CONTAINER = "a list, dict or set that a module holds"
 
 
 def held(modules: Iterable[nn.Module]) -> Held:
-    """The lists, dicts, sets and deques ``modules`` hold as plain attributes
-    (``self.maps = []``), with what they hold now."""
+    """The lists, dicts, sets and deques (``OrderedDict``, ``defaultdict`` too)
+    ``modules`` hold as plain attributes (``self.maps = []``), and those inside them,
+    with what each holds now."""
     out: Held = []
+    budget = MAX_HELD
     for m in modules:
         for name, value in vars(m).items():
-            if name not in _MODULE_INTERNALS and type(value) in _HELD_TYPES:
-                out.append((f"{type(m).__name__}.{name}", value, _contents(value),
-                            copy.copy(value)))
+            if name in MODULE_INTERNALS or not isinstance(value, _HELD_TYPES):
+                continue
+            stack = [value]
+            seen: set[int] = set()
+            while stack and budget > 0:
+                c = stack.pop()
+                if id(c) in seen:
+                    continue
+                seen.add(id(c))
+                contents = _contents(c)
+                budget -= len(contents)
+                out.append((f"{type(m).__name__}.{name}", c, contents, copy.copy(c)))
+                inner = c.values() if isinstance(c, dict) else c
+                stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
     return out
 
 
 def held_change(before: Held) -> str | None:
-    """What the call changed of the containers in ``before`` (``self.maps.append(y)``),
-    or None: a replay runs no Python, so it would not repeat the change, and a tensor
-    the capture stored there would be the graph's, overwritten by every replay."""
+    """What the call changed of the containers in ``before`` (``self.maps.append(y)``,
+    ``self.feats["a"]["last"] = y``), or None: a replay runs no Python, so it would not
+    repeat the change, and a tensor the capture stored there would be the graph's,
+    overwritten by every replay."""
     for label, value, contents, _ in before:
         if _contents(value) != contents:
             return f"{MODULE_CONTAINER} ({label})"

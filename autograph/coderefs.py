@@ -264,13 +264,15 @@ def _user_class(cls: type) -> bool:
 
 
 def _class_values(cls: type, names: Iterable[str]) -> list[tuple[Callable[[], Any], Any]]:
-    """Getters for the plain values ``cls`` (or a base) holds under ``names``."""
+    """Getters for the plain values, tensors and modules ``cls`` (or a base) holds
+    under ``names`` (``cls.codebook``, ``cls.proj``: rebinding one is seen, and a
+    module's are watched as any module the code names)."""
     out: list[tuple[Callable[[], Any], Any]] = []
     for name in sorted(names):
         if name.startswith("__"):
             continue
         value = inspect.getattr_static(cls, name, MISSING)
-        if value is not MISSING and _plain(value) and not (  # an enum's members: constants
+        if value is not MISSING and _trackable(value) and not (  # enum members: constants
                 isinstance(value, enum.Enum) and isinstance(value, cls)):
             out.append((_class_getter(cls, name), value))
     return out

@@ -64,6 +64,35 @@ def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
     return names[1:] if skip_self and names else names
 
 
+Positional = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def positional(names: list[str], trusted: Callable[[], bool] = lambda: True
+               ) -> Positional | None:
+    """A function that passes keyword arguments naming the next positional parameters
+    by position (``f(x=a, y=b)`` as ``f(a, b)``; ``f(y=b, x=a)`` too): one spelling of
+    a call, one key, the shortcut of positional calls, and an ahead-of-time warmup
+    that serves either spelling.  Only the run of names that continues the call's
+    positional arguments moves (a keyword after a gap stays one).  ``trusted``: whether
+    ``names`` still describe the callable (a module whose ``forward`` was replaced on
+    the instance: not).  None without names."""
+    if not names:
+        return None
+
+    def move(args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        n = len(args)
+        if n >= len(names) or names[n] not in kwargs or not trusted():
+            return args, kwargs
+        moved, rest = list(args), dict(kwargs)
+        while n < len(names) and names[n] in rest:
+            moved.append(rest.pop(names[n]))
+            n += 1
+        return tuple(moved), rest
+
+    return move
+
+
 Misfit = Callable[[tuple[Any, ...], Mapping[str, Any]], str | None]
 
 

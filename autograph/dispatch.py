@@ -19,7 +19,7 @@ import torch
 from . import containers, lifecycle, notify, recording, replay, shortcut, verify, vocab
 from . import stats as _stats
 from . import switch as _switch
-from .arguments import Misfit, no_misfit
+from .arguments import Misfit, Positional, no_misfit
 from .cache import Entry, GraphCache
 from .capture import Backend, backend_for
 from .flat import Flat
@@ -67,6 +67,8 @@ class Engine:
         self.training = training
         self.names = names or []  # positional parameter names, for per-argument options
         self.misfit = misfit
+        # keyword arguments that name the next positional parameters, passed by position
+        self.positional: Positional | None = None
         self.options = options
         self.cache = GraphCache(options, stats)
         self.ranks: Ranks | None = None
@@ -102,6 +104,8 @@ class Engine:
         if _compiling():
             return self.fn(*args, **kwargs)
         self.stats.calls += 1
+        if kwargs and self.positional is not None:  # one spelling: by position
+            args, kwargs = self.positional(args, kwargs)
         if not kwargs and self.given_up is None:
             n = len(args)
             for known in self.memo.recent:  # memo.find: were these tensors keyed lately?

@@ -14,10 +14,17 @@ from typing import Any
 
 from torch import nn
 
-from .arguments import check_argument_keys, misfit_check, no_misfit, positional_names
+from .arguments import (
+    check_argument_keys,
+    misfit_check,
+    no_misfit,
+    positional,
+    positional_names,
+)
 from .buckets import Bucketer
 from .dispatch import Engine
 from .guards import Watch
+from .notify import global_hooks
 from .options import Options
 from .stats import register as register_stats
 
@@ -57,7 +64,8 @@ def _front(engine: Engine) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
 def make_engine(fn: Callable[..., Any], options: Options, name: str,
                 roots: Callable[[], list[nn.Module]], code: Callable[..., Any] | None,
                 hooks_of_roots: bool, method: bool,
-                owner: Callable[[], Any] | None = None) -> Handle:
+                owner: Callable[[], Any] | None = None,
+                trusted: Callable[[], bool] = lambda: True) -> Handle:
     """A handle on a new engine for ``fn``, guarding the modules ``roots`` returns and
     what ``code`` names in its globals and closures."""
     if code is not None:
@@ -67,6 +75,7 @@ def make_engine(fn: Callable[..., Any], options: Options, name: str,
     misfit = misfit_check(code, skip_self=method) if code is not None else no_misfit
     watch = Watch(roots, code, hooks_of_roots, owner)
     engine = Engine(fn, options, stats, watch, watch.training, names, misfit)
+    engine.positional = positional(names, trusted)
     handle = Handle(engine, code, method)
     _handles.add(handle)
     return handle
@@ -86,8 +95,16 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
         return [m] if m is not None else []
 
     forward = getattr(type(module), "forward", None)
+
+    def trusted() -> bool:
+        """The class's forward is the one called (none set on the instance), and no
+        forward hook sees the call's spelling (a pre-hook reading ``kwargs``)."""
+        m = ref()
+        return (m is not None and "forward" not in vars(m) and not m._forward_pre_hooks
+                and not m._forward_hooks and not global_hooks())
+
     return make_engine(fn, options, type(module).__qualname__, roots, forward, True,
-                       method=True)
+                       method=True, trusted=trusted)
 
 
 def live_handles() -> list[Handle]:

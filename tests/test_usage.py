@@ -2322,6 +2322,39 @@ def test_classmethods_decorated_in_the_class_body(standin):
     check_classmethods_decorated_in_the_class_body()
 
 
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None, scale=1.0):
+        y = self.lin(x) * scale
+        return y if mask is None else y * mask
+
+
+def test_keyword_spellings_share_one_key(standin):
+    """``f(x=a, mask=m)``, ``f(mask=m, x=a)``, ``f(a, mask=m)`` and ``f(a, m)`` are one
+    call: one key, one capture (each spelling had its own warmups and capture), and a
+    keyword call takes the shortcut of positional calls.  A keyword after a gap stays
+    one; a module whose forward pre-hook reads ``kwargs`` sees the call as written."""
+    m = TwoInputs()
+    g = autograph.graphed(m)
+    x, mask = torch.randn(2, 4), torch.ones(2, 4)
+    with torch.no_grad():
+        spellings = [lambda: g(x=x, mask=mask), lambda: g(mask=mask, x=x),
+                     lambda: g(x, mask=mask), lambda: g(x, mask)]
+        for spell in spellings * 3:
+            torch.testing.assert_close(spell(), m(x, mask))
+        s = autograph.stats(g)
+        assert s["captures"] == 1 and s["replays"] == 12 - 3, s
+        torch.testing.assert_close(g(x, scale=2.0), m(x, scale=2.0))  # after a gap
+    seen = []
+    m.register_forward_pre_hook(lambda mod, a, kw: seen.append(sorted(kw)), with_kwargs=True)
+    with torch.no_grad():
+        g(x=x, mask=mask)
+    assert seen == [["mask", "x"]]
+
+
 def check_class_tensors_and_modules_are_guarded(device: str = "cpu") -> None:
     """A tensor or module a class holds, read through a classmethod's ``cls`` or a
     global class, rebound between calls: the graphs see it (only plain values were

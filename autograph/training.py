@@ -153,8 +153,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         for i in statics.get(where, ()):
             saved_args.setdefault(i)
         d = t.detach()  # no version check at unpack: replays rewrite saved tensors
-        if where not in own and spill is not None:
-            if where == 0 or type(d) is not torch.Tensor or d.layout is not torch.strided:
+        if where not in own and spill is not None and (d.numel() or not _plain(d)):
+            # (an empty tensor, a batch norm's statistics in eval mode, holds nothing)
+            if where == 0 or not _plain(d):
                 spill = None  # unknown memory: a pending call holds the graph instead
             elif d.numel():
                 spill.setdefault((d.data_ptr(), d.dtype, d.shape, d.stride()), d)
@@ -211,6 +212,11 @@ def capturer(stats: Stats) -> Callable[..., Trained]:
         return capture(fn, flat, backend, device, watch, inplace, stats, reuse, rng_free)
 
     return capture_for
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A plain strided tensor (whose memory a spill can copy)."""
+    return type(t) is torch.Tensor and t.layout is torch.strided
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -1188,6 +1188,40 @@ def test_parameters_swapped_for_new_objects_at_the_same_address(standin):
     check_parameters_swapped_for_new_objects_at_the_same_address()
 
 
+def check_grad_mode_inference_of_a_batch_norm_model(device: str = "cpu") -> None:
+    """A CNN with batch norm in eval mode called with grad mode on and no backward (code
+    that forgot ``no_grad``): later calls replay (batch norm saves empty statistics in
+    eval mode, which made every call's saved state unspillable: all ran eagerly), and
+    a backward through any kept output, earlier ones included, gives eager's
+    gradients."""
+    torch.manual_seed(0)
+
+    def cnn():
+        return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    m = cnn().to(device).eval()
+    twin = copy.deepcopy(m)
+    g = autograph.graphed(m)
+    kept = []
+    for _ in range(6):
+        x = torch.randn(2, 3, 16, 16, device=device)
+        got, want = g(x), twin(x)
+        torch.testing.assert_close(got, want)
+        kept.append((got, want))
+    s = autograph.stats(g)
+    assert s["replays"] >= 3, s
+    for k in (-1, 2):
+        kept[k][0].square().sum().backward()
+        kept[k][1].square().sum().backward()
+        for p, q in zip(m.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_grad_mode_inference_of_a_batch_norm_model(standin):
+    check_grad_mode_inference_of_a_batch_norm_model()
+
+
 def check_a_parameter_frozen_between_forward_and_backward(device: str = "cpu") -> None:
     """A parameter frozen (``requires_grad_(False)``) between a call and its backward:
     eager's ``AccumulateGrad`` leaves its ``.grad`` alone; the others get eager's."""

@@ -128,7 +128,8 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.detach().float()).abs().max())
 
 
-def run_case(name: str, mode: str, device: str, calls: int, batch: int) -> dict[str, Any]:
+def run_case(name: str, mode: str, device: str, calls: int, batch: int,
+             control: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     model, sample = MODELS[name]()
     model = model.to(device)
@@ -145,7 +146,11 @@ def run_case(name: str, mode: str, device: str, calls: int, batch: int) -> dict[
     else:
         model.eval()
         twin.eval()
-    g = autograph.graphed(model)
+    # ``control``: a second eager copy in autograph's place (the harness's own noise:
+    # kernels that accumulate in no fixed order, cuDNN's convolution backward)
+    g = copy.deepcopy(model) if control else autograph.graphed(model)
+    if control:
+        model = g  # the copy is the one trained
     worst = 0.0
     opts = [torch.optim.SGD(m.parameters(), lr=1e-3) for m in (model, twin)]
     for _ in range(calls):
@@ -167,7 +172,9 @@ def run_case(name: str, mode: str, device: str, calls: int, batch: int) -> dict[
         with context():
             got, want = _main_output(_call(g, x)), _main_output(_call(twin, x))
         worst = max(worst, _diff(got, want))
-    s = autograph.stats(g)
+    s = autograph.stats(g) if not control else {
+        "calls": calls, "replays": 0, "backward_replays": 0, "eager_reasons": {},
+        "eager_details": {}}
     return {"model": name, "mode": mode, "max_diff": worst, "calls": s["calls"],
             "replays": s["replays"], "backward_replays": s["backward_replays"],
             "eager": dict(s["eager_reasons"]), "details": s["eager_details"]}
@@ -180,6 +187,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--modes", nargs="*", default=["no_grad", "inference_mode", "grad", "train"])
+    ap.add_argument("--control", action="store_true",
+                    help="eager against eager: the differences the kernels make alone")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True)")
     a = ap.parse_args()
     if a.device == "cpu":  # the tests' stand-in, for the harness itself
         sys.path.insert(0, ".")
@@ -187,12 +198,18 @@ def main() -> None:
         from tests.standin import StandinBackend
 
         use_backend(StandinBackend())
+    if a.deterministic:
+        import os
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
     names = [n for n in MODELS if a.only is None or any(o in n for o in a.only)]
     rows = []
     for name in names:
         for mode in a.modes:
             try:
-                row = run_case(name, mode, a.device, a.calls, a.batch)
+                row = run_case(name, mode, a.device, a.calls, a.batch, a.control)
             except ImportError as exc:
                 print(f"{name:28} {mode:15} skipped: {exc}", flush=True)
                 break
@@ -201,7 +218,8 @@ def main() -> None:
                 traceback.print_exc(limit=3)
                 continue
             rows.append(row)
-            flag = "" if row["replays"] else "  NO REPLAY " + str(row["details"])[:300]
+            flag = "" if row["replays"] or a.control else \
+                "  NO REPLAY " + str(row["details"])[:300]
             print(f"{name:28} {mode:15} diff {row['max_diff']:.2e} calls {row['calls']:3} "
                   f"replays {row['replays']:3} bwd {row['backward_replays']:3} "
                   f"eager {row['eager']}{flag}", flush=True)

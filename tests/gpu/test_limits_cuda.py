@@ -17,6 +17,7 @@ from ..test_backward import (
     check_eager_steps_before_graphed_training,
     check_forward_ad_and_batched_gradients,
     check_grad_enabled_inside_under_no_grad,
+    check_grad_mode_inference_of_a_batch_norm_model,
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_parameters_swapped_for_new_objects_at_the_same_address,
@@ -357,3 +358,7 @@ def test_the_padding_check_leaves_the_generator_as_it_found_it():
 
 def test_class_tensors_and_modules_are_guarded():
     check_class_tensors_and_modules_are_guarded("cuda")
+
+
+def test_grad_mode_inference_of_a_batch_norm_model():
+    check_grad_mode_inference_of_a_batch_norm_model("cuda")

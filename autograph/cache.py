@@ -302,9 +302,23 @@ class GraphCache:
         base = key.base()
         with self.lock:
             self.inplace[base] = tuple(sorted(set(self.inplace.get(base, ())) | inplace))
-            self.entries.pop(key, None)
-            self.entries[self.address(base, flat)] = entry
-            entry.state = State.WARMING
+            mine = self.address(base, flat)
+            if self.entries.get(key) is entry:
+                del self.entries[key]
+                self.entries[mine] = entry
+                entry.state = State.WARMING
+            elif self.entries.get(mine) is not entry:
+                # another thread learned first and moved this entry to its own address
+                # (its tensors'): this call's address gets an entry of its own
+                self.entries.setdefault(mine, Entry())
+
+    def holds(self, key: GraphKey, entry: Entry, flat: Flat) -> bool:
+        """Whether ``entry`` is still the one filed for this call's key and addresses
+        (another thread's call may have learned, since this one was keyed, that the
+        key writes arguments in place, and moved the entry to its arguments' address)."""
+        with self.lock:
+            now = self.address(key.base(), flat) if self.inplace or self.pinning else key
+            return self.entries.get(now) is entry
 
     def clear(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments; with

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the engine calls in; this module never calls it at import
     from .dispatch import Engine
 
 CHANGED_DURING = "the modes or training flags changed while it was captured"
+MOVED_AWAY = "another thread's call moved its entry to that call's written arguments"
 # After this many keys given up after failed captures, with no replay ever, a callable
 # stops trying (``Engine.given_up``).
 GIVE_UP_FAILURES = 3
@@ -87,6 +88,9 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             return engine.replay_entry(entry, entry.run, flat)
         if entry.state is State.EAGER:  # another thread gave up on it meanwhile
             return engine.act(Action.EAGER, key, entry, flat, backend, device)
+        if not engine.cache.holds(key, entry, flat):  # moved to another thread's address
+            stats.count_eager(EagerReason.WARMUP, MOVED_AWAY, warn=False)
+            return engine.eager(*flat.call())
         start = time.perf_counter()
         before = backend.memory_reserved(device)
         inplace = engine.cache.in_place(key, flat)

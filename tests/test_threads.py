@@ -92,3 +92,48 @@ def test_a_flag_changed_by_another_thread_during_a_capture_drops_that_graph(
             assert got.dtype == want.dtype
             torch.testing.assert_close(got, want)
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_threads_writing_their_own_caches_get_their_own_graphs(standin):
+    """Two threads, each with its own cache written in place by one graphed function:
+    the first to learn that the key writes its argument moved the shared entry to its
+    cache's address, and the other thread's capture filled that entry with a graph
+    writing its own cache (both threads' caches then went wrong).  Each address gets
+    an entry of its own; a capture of an entry moved away runs eagerly."""
+    import time
+
+    first = threading.Event()
+
+    def f(x, cache):
+        if threading.current_thread().name == "A" and not first.is_set():
+            first.set()
+            time.sleep(0.3)  # thread B keys its call meanwhile
+        cache.mul_(0.5).add_(x)
+        return cache.sum(0)
+
+    g = autograph.graphed(f, warmup=0)
+    caches = {n: (torch.zeros(2, 4), torch.zeros(2, 4)) for n in "AB"}
+    bad = []
+
+    def worker(name):
+        gen = torch.Generator().manual_seed(ord(name))
+        mine, theirs = caches[name]
+        if name == "B":
+            first.wait()
+        for i in range(6):
+            x = torch.randn(2, 4, generator=gen)
+            got, want = g(x, mine), f(x, theirs)
+            if not torch.equal(mine, theirs) or not torch.equal(got, want):
+                bad.append((name, i))
+            mine.copy_(theirs)
+            time.sleep(0.05)
+
+    with torch.no_grad():
+        threads = [threading.Thread(target=worker, args=(n,), name=n) for n in "AB"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    s = autograph.stats(g)
+    assert not bad, bad
+    assert s["captures"] == 2 and s["replays"] >= 6, s

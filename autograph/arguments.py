@@ -12,6 +12,7 @@ call is looked up by its canonical key, so ``f(x, slots)``, ``f(x, slots=slots)`
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,16 +68,33 @@ def positional_names(fn: Callable[..., Any], skip_self: bool) -> list[str]:
 Positional = Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
 
 
-def positional(names: list[str], trusted: Callable[[], bool] = lambda: True
+def move_names(fn: Any, skip_self: bool) -> list[str | None]:
+    """Per positional parameter of ``fn``, the name a keyword argument may give it by
+    (None: positional-only), read from the code object of the function called itself:
+    a decorator's ``wrapper(*args, **kwargs)`` has none (``inspect.signature`` would
+    follow ``__wrapped__`` or a ``__signature__`` to the inner function's, and moving
+    a keyword the wrapper reads into position would change the call)."""
+    if isinstance(fn, types.MethodType):
+        fn, skip_self = fn.__func__, True
+    code = getattr(fn, "__code__", None) if isinstance(fn, types.FunctionType) else None
+    if code is None:
+        return []
+    names: list[str | None] = list(code.co_varnames[:code.co_argcount])
+    names[:code.co_posonlyargcount] = [None] * code.co_posonlyargcount
+    return names[1:] if skip_self and names else names
+
+
+def positional(names: list[str | None], trusted: Callable[[], bool] = lambda: True
                ) -> Positional | None:
     """A function that passes keyword arguments naming the next positional parameters
     by position (``f(x=a, y=b)`` as ``f(a, b)``; ``f(y=b, x=a)`` too): one spelling of
     a call, one key, the shortcut of positional calls, and an ahead-of-time warmup
     that serves either spelling.  Only the run of names that continues the call's
-    positional arguments moves (a keyword after a gap stays one).  ``trusted``: whether
-    ``names`` still describe the callable (a module whose ``forward`` was replaced on
-    the instance: not).  None without names."""
-    if not names:
+    positional arguments moves (a keyword after a gap stays one; a positional-only
+    parameter stops it).  ``names``: :func:`move_names`.  ``trusted``: whether they
+    still describe what is called (a module whose ``forward`` was replaced on the
+    instance, or that has forward hooks: not).  None without names."""
+    if not any(names):
         return None
 
     def move(args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -85,8 +103,8 @@ def positional(names: list[str], trusted: Callable[[], bool] = lambda: True
         if n >= len(names) or names[n] not in kwargs or not trusted():
             return args, kwargs
         moved, rest = list(args), dict(kwargs)
-        while n < len(names) and names[n] in rest:
-            moved.append(rest.pop(names[n]))
+        while n < len(names) and (name := names[n]) is not None and name in rest:
+            moved.append(rest.pop(name))
             n += 1
         return tuple(moved), rest
 

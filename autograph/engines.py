@@ -17,6 +17,7 @@ from torch import nn
 from .arguments import (
     check_argument_keys,
     misfit_check,
+    move_names,
     no_misfit,
     positional,
     positional_names,
@@ -75,7 +76,8 @@ def make_engine(fn: Callable[..., Any], options: Options, name: str,
     misfit = misfit_check(code, skip_self=method) if code is not None else no_misfit
     watch = Watch(roots, code, hooks_of_roots, owner)
     engine = Engine(fn, options, stats, watch, watch.training, names, misfit)
-    engine.positional = positional(names, trusted)
+    if code is not None:
+        engine.positional = positional(move_names(code, skip_self=method), trusted)
     handle = Handle(engine, code, method)
     _handles.add(handle)
     return handle

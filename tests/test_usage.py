@@ -2355,6 +2355,50 @@ def test_keyword_spellings_share_one_key(standin):
     assert seen == [["mask", "x"]]
 
 
+def _probabilities_unless_logits(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        return out if kwargs.get("logits") else out.softmax(-1)
+
+    return wrapper
+
+
+class WrappedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    @_probabilities_unless_logits
+    def forward(self, x, logits=False):
+        return self.lin(x)
+
+
+def test_keywords_stay_keywords_where_the_called_function_reads_them(standin):
+    """No keyword moves into position where the function called is a decorator's
+    ``wrapper(*args, **kwargs)`` reading ``kwargs`` (its signature, followed through
+    ``__wrapped__``, names the inner function's parameters), nor into a positional-only
+    parameter (it belongs to ``**kwargs``, or eager raises)."""
+    m = WrappedHead()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x, logits=True), m(x, logits=True))
+
+    def f(x, scale=None, /, **opts):
+        return x * (1.0 if scale is None else scale) + opts.get("scale", 0)
+
+    h = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(3)
+            torch.testing.assert_close(h(x, scale=2.0), f(x, scale=2.0))
+    only = autograph.graphed(lambda x, /: x * 2)
+    with pytest.raises(TypeError):
+        only(x=torch.randn(3))
+
+
 def check_class_tensors_and_modules_are_guarded(device: str = "cpu") -> None:
     """A tensor or module a class holds, read through a classmethod's ``cls`` or a
     global class, rebound between calls: the graphs see it (only plain values were

@@ -46,8 +46,8 @@ _original_call: Callable[..., Any] | None = None
 # id(module) -> (weak reference, the module's region handle)
 _handles: dict[int, tuple[weakref.ref[nn.Module], Handle]] = {}
 _own_options: dict[type, bool] = {}
-# Module instances whose top-level calls go through a given handle while one of their
-# own methods runs (``graphed(model).generate(...)``): id(module) -> handle
+# The module instances whose top-level calls (and their submodules') go through a given
+# handle while one of their own methods runs (``graphed(model).generate(...)``)
 _routes: contextvars.ContextVar[tuple[routing, ...]] = contextvars.ContextVar(
     "autograph_routes", default=())
 

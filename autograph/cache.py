@@ -226,8 +226,12 @@ class GraphCache:
         return misses >= MOVING
 
     def keep(self, entry: Entry, nbytes: int) -> None:
-        """``entry`` now holds a graph: count it and evict what exceeds the bounds."""
+        """``entry`` now holds a graph: count it and evict what exceeds the bounds (an
+        entry dropped meanwhile, by a ``reset()`` in another thread, keeps no graph)."""
         with self.lock:
+            if not any(e is entry for e in self.entries.values()):
+                entry.graph = entry.run = None
+                return
             entry.state = State.READY
             entry.nbytes = nbytes
             self.uses = entry.used = entry.kept_at = self.uses + 1  # the newest: evicted last

@@ -230,15 +230,26 @@ def held_change(before: Held) -> str | None:
 
 
 def restore(before: Held) -> None:
-    """Give the containers in ``before`` back what they held (after a capture that
-    changed them: the call then runs eagerly, and changes them as eager mode does)."""
+    """Take out of the containers in ``before`` the tensors a capture put there (the
+    graph's, which later replays would overwrite; the call then runs eagerly and puts
+    its own there, as eager mode does).  Only tensors new since ``before``: what other
+    threads put there meanwhile, other values, stays."""
     for _, value, contents, saved in before:
-        if _contents(value) != contents:
-            value.clear()
-            if isinstance(value, (dict, set)):
-                value.update(saved)
-            else:
-                value.extend(saved)
+        if _contents(value) == contents:
+            continue
+        if isinstance(value, dict):
+            for k in [k for k, v in value.items() if isinstance(v, torch.Tensor)
+                      and (k not in saved or saved[k] is not v)]:
+                if k in saved:
+                    value[k] = saved[k]
+                else:
+                    del value[k]
+        elif isinstance(value, (list, collections.deque)):
+            old = {id(v) for v in saved}
+            fresh = [i for i, v in enumerate(value)
+                     if isinstance(v, torch.Tensor) and id(v) not in old]
+            for i in reversed(fresh):  # by position: tensors do not compare as values
+                del value[i]
 
 
 def _contents(value: Any) -> tuple[int, ...]:

@@ -16,6 +16,7 @@ again on values of one sign (see :func:`problem`).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -137,7 +138,12 @@ RandomState = list[tuple[torch.device, torch.Tensor]]
 
 
 def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RandomState:
-    """The host generator's state and that of each CUDA device the arguments are on."""
+    """The host generator's state and that of each CUDA device the arguments are on;
+    nothing while other threads run (setting a state back would hand them numbers
+    drawn already: the check's runs then draw on, and a sampling step may lose its
+    buckets)."""
+    if threading.active_count() > 1:
+        return []
     state = [(torch.device("cpu"), torch.get_rng_state())]
     devices = {t.device for t in (*args, *kwargs.values())
                if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
@@ -153,6 +159,11 @@ def _set_random_state(state: RandomState) -> None:
             torch.cuda.set_rng_state(value, device)
 
 
+# the check's own random values (drawn on the host: the global generators are the
+# program's, and other threads draw from them)
+_NOISE = torch.Generator().manual_seed(0x5EED)
+
+
 def _poison(written: set[Key], names: Arguments, plain_args: tuple[Any, ...],
             plain_kwargs: dict[str, Any], pad_args: tuple[Any, ...],
             pad_kwargs: dict[str, Any]) -> None:
@@ -164,7 +175,7 @@ def _poison(written: set[Key], names: Arguments, plain_args: tuple[Any, ...],
             continue
         a, b = arg_of(plain_args, plain_kwargs, key), arg_of(pad_args, pad_kwargs, key)
         if isinstance(a, torch.Tensor) and a.is_floating_point():
-            noise = torch.randn_like(a)
+            noise = torch.randn(a.shape, dtype=a.dtype, generator=_NOISE).to(a.device)
             a.copy_(noise)
             b.copy_(noise)
 

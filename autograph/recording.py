@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # the engine calls in; this module never calls it at import
     from .dispatch import Engine
 
 CHANGED_DURING = "the modes or training flags changed while it was captured"
-MOVED_AWAY = "another thread's call moved its entry to that call's written arguments"
+MOVED_AWAY = ("its entry was dropped (a reset, an eviction) or moved to another "
+              "thread's written arguments while it waited")
 # After this many keys given up after failed captures, with no replay ever, a callable
 # stops trying (``Engine.given_up``).
 GIVE_UP_FAILURES = 3

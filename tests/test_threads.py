@@ -137,3 +137,112 @@ def test_threads_writing_their_own_caches_get_their_own_graphs(standin):
     s = autograph.stats(g)
     assert not bad, bad
     assert s["captures"] == 2 and s["replays"] >= 6, s
+
+
+class _Logged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(10)])
+        self.history = []  # a log another thread writes; the forward never reads it
+
+    def forward(self, x):
+        return torch.tanh(self.layers(x))
+
+
+def test_other_threads_changes_to_a_module_list_are_kept(standin):
+    """Another thread appending to a list the module holds while a call is captured:
+    none of its items is lost (a capture that saw the list change put back what it
+    held, erasing the other thread's appends); the call's results equal eager's."""
+    net = _Logged().eval()
+    g = autograph.graphed(net)
+    go, stop, appended = threading.Event(), threading.Event(), [0]
+
+    def append():
+        go.wait()
+        while not stop.is_set():
+            net.history.append(appended[0])
+            appended[0] += 1
+
+    t = threading.Thread(target=append)
+    t.start()
+    try:
+        with torch.no_grad():
+            for step in range(6):
+                x = torch.randn(4, 16)
+                if step == 2:
+                    go.set()
+                out = g(x)
+                if step == 3:
+                    stop.set()
+                with autograph.disabled():
+                    torch.testing.assert_close(out, net(x))
+    finally:
+        go.set()
+        stop.set()
+        t.join()
+    assert len(net.history) == appended[0] > 0
+
+
+def test_the_padding_check_hands_no_thread_a_number_twice(standin):
+    """A bucketed sampling step beside a thread drawing random numbers: the padding
+    check sets no generator state back while other threads run (it handed the other
+    thread numbers it had drawn already)."""
+    torch.manual_seed(0)
+    weight = torch.randn(16, 50)
+
+    @autograph.graphed(buckets=[2, 4, 8, 16, 32, 64])
+    def sample(h):
+        return torch.multinomial(torch.softmax(h @ weight, -1), 1).squeeze(-1)
+
+    stop, draws = threading.Event(), []
+
+    def draw():
+        while not stop.is_set():
+            draws.append(tuple(torch.rand(4).tolist()))
+
+    t = threading.Thread(target=draw)
+    t.start()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        with torch.inference_mode():
+            for step in range(20):
+                sample(torch.randn(1 + (step * 7) % 60, 16, generator=gen))
+    finally:
+        stop.set()
+        t.join()
+    assert len(draws) == len(set(draws)) > 0
+
+
+def test_a_reset_during_a_capture_leaves_no_graph_counted(standin):
+    """``reset()`` in one thread while others capture: a graph captured into an entry
+    the reset dropped is not kept (it was counted in ``graphs`` and never forgotten)."""
+    import time
+
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(10)]).eval()
+    g = autograph.graphed(net, max_graphs=1)
+    stop = threading.Event()
+
+    def reset():
+        while not stop.is_set():
+            time.sleep(0.001)
+            g.reset()
+
+    def work():
+        with torch.no_grad():
+            for step in range(60):
+                x = torch.randn(1 + step % 2, 16)
+                out = g(x)
+                with autograph.disabled():
+                    torch.testing.assert_close(out, net(x))
+
+    workers = [threading.Thread(target=work) for _ in range(2)]
+    resetter = threading.Thread(target=reset)
+    for t in (*workers, resetter):
+        t.start()
+    for t in workers:
+        t.join()
+    stop.set()
+    resetter.join()
+    g.reset()
+    s = autograph.stats(g)
+    assert s["graphs"] == 0 and s["graph_memory_bytes"] == 0, s

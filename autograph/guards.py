@@ -64,6 +64,7 @@ from .steps import StepGuard
 _Module = nn.Module
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 _getitem = operator.getitem
+_grad_enabled = torch.is_grad_enabled
 # One C++ pass comparing tensors' data pointers with expected ones (CUDA builds; the
 # same check CUDA graph trees make), else a Python pass.
 _ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
@@ -99,6 +100,7 @@ class Watch:
         # the watched tensors' ids: another tensor object at the same address
         # (``torch.func.functional_call``'s leaves over the same memory) is another
         # parameter, whose requires_grad and .grad a graph's autograd edges must follow
+        # (checked under grad mode only)
         self._idents: list[int] = []
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
@@ -177,7 +179,9 @@ class Watch:
                     return False
             elif list(map(_ptr, tensors)) != self._ptrs:
                 return False
-            if list(map(id, tensors)) != self._idents:
+            # another object over the same memory matters where autograd records (its
+            # requires_grad, its .grad): under no_grad the graph reads the same memory
+            if _grad_enabled() and list(map(id, tensors)) != self._idents:
                 return False
         except Exception:  # noqa: BLE001 - a tensor gone or replaced by another object
             return False

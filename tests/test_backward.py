@@ -1182,6 +1182,17 @@ def check_parameters_swapped_for_new_objects_at_the_same_address(device: str = "
     for _ in range(6):
         functional_call(model, fixed, (torch.randn(3, 4, device=device),)).sum().backward()
     assert autograph.stats(model)["replays"] - before >= 3, autograph.stats(model)
+    # under no_grad new objects over the same memory are the same parameters to a graph
+    # (``functional_call(model, model.state_dict(), ...)`` recaptured every call)
+    before = autograph.stats(model)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, 4, device=device)
+            got = functional_call(model, lin.state_dict(), (x,))
+            torch.testing.assert_close(got, lin(x))
+    after = autograph.stats(model)
+    assert after["replays"] - before["replays"] >= 3, after
+    assert after["invalidations"] - before["invalidations"] <= 1, after
 
 
 def test_parameters_swapped_for_new_objects_at_the_same_address(standin):

@@ -143,7 +143,7 @@ def output_builder(
     aliases: bool = True,
     walks: tuple[tuple[int, Walked], ...] = (),
     themselves: set[int] | frozenset[int] = frozenset(),
-    known: Iterable[Any] = (),
+    known: Callable[[], Iterable[Any]] = tuple,
 ) -> Callable[[list[Any]], Any]:
     """A function from the call's leaves to the call's result, made at capture.
 
@@ -166,7 +166,7 @@ def output_builder(
 
     Objects the call made (pytree does not open them) are made again per call around
     their tensors, treated as outputs like any other (returned.py); what existed
-    before the call (``known`` and what it reaches) is returned as itself.
+    before the call (``known()`` and what it reaches) is returned as itself.
 
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
@@ -184,7 +184,7 @@ def output_builder(
     # objects the call made (a DynamicCache): their tensors stand in their place among
     # the outputs, and each call makes the object again around them (returned.py)
     try:
-        spliced = Spliced.find(flat, objects, known, containers_of(output))
+        spliced = Spliced.find(flat, objects, known, lambda: containers_of(output))
     except Refused as refused:
         raise Uncapturable(EagerReason.OUTPUT, f"output of type "
                            f"{type(refused.value).__qualname__} cannot be made again by a "

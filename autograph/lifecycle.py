@@ -375,7 +375,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     themselves = {id(t) for t in (*watch.tensors(), *watch.named(), *kept)}
     build = output_builder(out, leaves, static, inplace, persistent, reuse, aliases,
                            tuple((pos, walked) for pos, walked, _, _ in flat.objects),
-                           themselves, _before_the_call(watch, flat, refs))
+                           themselves, lambda: _before_the_call(watch, flat, refs))
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -50,19 +50,25 @@ class Spliced:
         self._nodes = nodes  # ("tensor", i) | ("atom", v) | (kind, cls, children...)
 
     @staticmethod
-    def find(flat: list[Any], skip: Any = (), known: Iterable[Any] = (),
-             outside: Any = ()) -> Spliced | None:
+    def find(flat: list[Any], skip: Any = (),
+             known: Callable[[], Iterable[Any]] = tuple,
+             outside: Callable[[], Any] = tuple) -> Spliced | None:
         """The objects among ``flat`` (none whose id is in ``skip``: object arguments
-        returned as they are), walked, or None if there is none.  ``known``: values
+        returned as they are), walked, or None if there is none.  ``known()``: values
         that existed before the call (returned as themselves, with what they reach);
-        ``outside``: the output's containers outside the objects (pytree's: reached
-        from inside an object, the key runs eagerly).  Raises :class:`Refused` where
-        an object cannot be made again."""
-        walk = _Walk(known, outside)
+        ``outside()``: the output's containers outside the objects (pytree's: reached
+        from inside an object, the key runs eagerly); both asked for only where a leaf
+        may be an object.  Raises :class:`Refused` where an object cannot be made
+        again."""
+        candidates = [k for k, value in enumerate(flat) if id(value) not in skip
+                      and not isinstance(value, (torch.Tensor, *_ATOMS))]
+        if not candidates:
+            return None
+        walk = _Walk(known(), outside())
         spans = []
-        for k, value in enumerate(flat):
-            if id(value) in skip or isinstance(value, (torch.Tensor, *_ATOMS)) \
-                    or walk.is_known(value):
+        for k in candidates:
+            value = flat[k]
+            if walk.is_known(value):
                 continue
             first = len(walk.tensors)
             root = walk.node(value)

@@ -48,7 +48,7 @@ class StaticInputs:
     each of them: code that tests ``query is key`` takes the path eager takes.
     """
 
-    __slots__ = ("positions", "buffers", "_unique", "_sources", "_single")
+    __slots__ = ("positions", "buffers", "_unique", "_sources", "_single", "_batched")
 
     def __init__(self, leaves: list[Any], positions: list[int]) -> None:
         self.positions = positions
@@ -64,6 +64,8 @@ class StaticInputs:
                 self._sources.append(i)
             self.buffers.append(buf)
         self._single = len(self._unique) == 1
+        # torch's batched copy refuses conjugate destinations: copied one by one then
+        self._batched = not any(b.is_conj() for b in self._unique)
 
     def substitute(self, leaves: list[Any]) -> list[Any]:
         """The leaves with the static buffers in place of the copied arguments."""
@@ -78,7 +80,7 @@ class StaticInputs:
             self._unique[0].copy_(leaves[self._sources[0]])
         elif self._unique:
             src = [leaves[i] for i in self._sources]
-            if _foreach_copy is not None:
+            if _foreach_copy is not None and self._batched:
                 _foreach_copy(self._unique, src)
             else:  # pragma: no cover - torch without _foreach_copy_
                 for dst, s in zip(self._unique, src):
@@ -109,11 +111,17 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _static_like(t: torch.Tensor) -> torch.Tensor:
     """A buffer with ``t``'s shape and strides (contiguous where ``t``'s elements
-    overlap, as in an expanded tensor, which cannot be copied into)."""
+    overlap, as in an expanded tensor, which cannot be copied into) and its conjugate
+    and negative bits (``z.conj()``: code may branch on ``is_conj()``; keyed apart)."""
     with torch.no_grad():
         if _overlaps(t):
-            return t.detach().clone(memory_format=torch.contiguous_format)
-        buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            buf = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        else:
+            buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        if t.is_conj():
+            buf = buf.conj()
+        if t.is_neg():
+            buf = buf._neg_view()
         buf.copy_(t.detach())
         return buf
 

@@ -33,12 +33,14 @@ from .objects import (
     unaddressed,
 )
 from .vocab import EagerReason, Uncapturable
+from .walk import number_key
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _new = tuple.__new__
+_PLAIN_BITS = (False, False)
 
 
 class TensorKey(NamedTuple):
@@ -49,11 +51,17 @@ class TensorKey(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    # conjugate and negative bits (``z.conj()``, ``z.conj().imag``): the same memory
+    # read otherwise, so another graph (a conjugate argument is copied resolved)
+    bits: tuple[bool, bool] = (False, False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"tensor": {"shape": list(self.shape), "stride": list(self.stride),
-                           "dtype": str(self.dtype), "device": str(self.device),
-                           "requires_grad": self.requires_grad}}
+        out = {"shape": list(self.shape), "stride": list(self.stride),
+               "dtype": str(self.dtype), "device": str(self.device),
+               "requires_grad": self.requires_grad}
+        if self.bits != _PLAIN_BITS:
+            out["conj_neg"] = list(self.bits)
+        return {"tensor": out}
 
 
 class ValueKey(NamedTuple):
@@ -250,7 +258,8 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
             if x.layout is not _strided:
                 raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
             try:
-                part = _new(TensorKey, (x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+                part = _new(TensorKey, (x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
+                                        (x.is_conj(), x.is_neg())))
             except (RuntimeError, NotImplementedError):  # nested tensors have no strides
                 raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x)) from None
             if device is None:
@@ -304,10 +313,14 @@ def leaf_key(x: Any) -> ValueKey:
         return _new(ValueKey, (float, x.hex()))  # tells -0.0 from 0.0, keys NaN stably
     if isinstance(x, BY_VALUE) or isinstance(x, enum.Enum):
         return _new(ValueKey, (type(x), x))
+    number = number_key(x)  # a complex, a NumPy scalar
+    if number is not None:
+        return _new(ValueKey, (type(x), number))
     if isinstance(x, _Tensor):
         raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
     raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {type(x).__qualname__} "
-                       "(only tensors, numbers, strings, None, dtypes and devices are keyed)")
+                       "(only tensors, numbers, NumPy scalars, strings, None, dtypes and "
+                       "devices are keyed)")
 
 
 def _tensor_kind(x: torch.Tensor) -> str:

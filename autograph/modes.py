@@ -6,10 +6,12 @@ how they round: TF32 for matmuls and cuDNN (through the new ``fp32_precision`` A
 where torch has it, which also reflects the legacy flags and never raises on a mix of
 the two), reduced-precision reductions, fp16 accumulation, deterministic algorithms
 (global and cuDNN's), the default dtype, the attention kernels
-``scaled_dot_product_attention`` may pick (``sdpa_kernel``) and ``nn.MultiheadAttention``'s
-fast path.  cuDNN's ``benchmark`` and ``enabled``
-change speed and rounding within tolerance, not results: they are not keyed.  All of it goes
-into the key, so flipping a flag selects another graph instead of replaying a stale one.
+``scaled_dot_product_attention`` may pick (``sdpa_kernel``) and whether its math kernel
+reduces in half precision, ``nn.MultiheadAttention``'s fast path, and the torch function
+modes active (``with torch.device(...)``, a user's ``TorchFunctionMode``).  cuDNN's
+``benchmark`` and ``enabled`` change speed and rounding within tolerance, not results:
+they are not keyed.  All of it goes into the key, so flipping a flag selects another
+graph instead of replaying a stale one.
 """
 
 from __future__ import annotations
@@ -81,7 +83,29 @@ _flash = _read("_get_flash_sdp_enabled")
 _mem_efficient = _read("_get_mem_efficient_sdp_enabled")
 _math = _read("_get_math_sdp_enabled")
 _cudnn_sdp = _read("_get_cudnn_sdp_enabled")
+_math_reduction = _read("_get_math_sdp_allow_fp16_bf16_reduction")
 _mha: Any = getattr(torch.backends, "mha", None)  # ``set_fastpath_enabled``: another path
+_stack_len: Callable[[], int] = getattr(_C, "_len_torch_function_stack", lambda: 0)
+_stack_at: Any = getattr(_C, "_get_function_stack_at", None)
+
+
+def function_modes() -> tuple[Any, ...]:
+    """The torch function modes active on this thread (``with torch.device("meta")``,
+    ``set_default_device``, a user's ``TorchFunctionMode``): each decides what the
+    Python of a call runs (a factory's device, a rounding the mode adds), so a graph
+    captured under one replays it only under the same.  A device context by its
+    device, any other mode by its type and identity; () with none (one C call)."""
+    n = _stack_len()
+    if not n or _stack_at is None:
+        return ()
+    return tuple(_mode_key(_stack_at(i)) for i in range(n))
+
+
+def _mode_key(mode: Any) -> Any:
+    device = getattr(mode, "device", None)
+    if type(mode).__name__ == "DeviceContext" and isinstance(device, torch.device):
+        return (type(mode), device)
+    return (type(mode), id(mode))
 
 
 def _fastpath() -> Any:
@@ -104,7 +128,8 @@ def _cuda_modes() -> tuple[Any, ...]:
     return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
             _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
             _cudnn_deterministic(), _deterministic(), _default_dtype(),
-            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _fastpath())
+            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _math_reduction(), _fastpath(),
+            function_modes())
 
 
 def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
@@ -115,7 +140,8 @@ def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
     def other() -> tuple[Any, ...]:
         autocast = _any_autocast() and _autocast(kind) and _get_dtype(kind)
         return (_grad_enabled(), _inference_mode(), autocast, _cpu_matmul(), _deterministic(),
-                _default_dtype(), _flash(), _math(), _fastpath())
+                _default_dtype(), _flash(), _math(), _math_reduction(), _fastpath(),
+                function_modes())
 
     return other
 
@@ -127,9 +153,12 @@ _SDPA_FLAGS = ("flash attention", "memory-efficient attention", "math attention"
 _CUDA_FLAGS = ("TF32 matmul", "TF32 conv", "TF32 rnn", "fp16 reduced-precision reduction",
                "bf16 reduced-precision reduction", "fp16 accumulation",
                "cuDNN deterministic", "deterministic algorithms", "default dtype",
-               *_SDPA_FLAGS, "MHA fast path")
+               *_SDPA_FLAGS, "math attention reduced-precision reduction", "MHA fast path",
+               "torch function modes")
 _OTHER_FLAGS = ("CPU matmul precision", "deterministic algorithms", "default dtype",
-                "flash attention", "math attention", "MHA fast path")
+                "flash attention", "math attention",
+                "math attention reduced-precision reduction", "MHA fast path",
+                "torch function modes")
 
 
 def flag_names(kind: str) -> tuple[str, ...]:

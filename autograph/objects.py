@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 from .known_types import keyer_for
 from .memo import same_tensors
 from .vocab import EagerReason, Uncapturable
-from .walk import VALUES, Walked, walk
+from .walk import VALUES, Walked, number_key, walk
 
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -89,7 +89,7 @@ class ObjectTensor(NamedTuple):
 
 def is_object(x: Any) -> bool:
     """Whether ``x`` is an object this module keys (not a tensor, not a value)."""
-    return not isinstance(x, (_Tensor, *VALUES, enum.Enum))
+    return not isinstance(x, (_Tensor, *VALUES, enum.Enum)) and number_key(x) is None
 
 
 def object_key(x: Any) -> tuple[ObjectKey, Walked]:

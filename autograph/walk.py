@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 import types
 from typing import Any
 
@@ -28,6 +29,18 @@ VALUES = (
     torch.memory_format, type(Ellipsis),
 )
 _MAX_DEPTH = 8
+
+
+def number_key(x: Any) -> Any:
+    """The key of a number that is no builtin int or float: a ``complex`` (by its
+    parts' hex spellings) or a NumPy scalar (``np.float32(0.5)``: by its dtype and
+    bits, so NaN keys stably); None for anything else."""
+    if type(x) is complex:
+        return (complex, x.real.hex(), x.imag.hex())
+    np = sys.modules.get("numpy")  # never imported for this: only if the caller has it
+    if np is not None and isinstance(x, np.generic) and not isinstance(x, np.object_):
+        return (type(x), x.dtype.str, x.tobytes())
+    return None
 _MAX_NODES = 20_000
 # never opened: their state is not in attributes (sets), or is guarded elsewhere (modules)
 _UNOPENED = (set, frozenset, torch.nn.Module)
@@ -74,6 +87,9 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
         return (float, x.hex())
     if isinstance(x, VALUES) or isinstance(x, enum.Enum):
         return (tx, x)
+    number = number_key(x)
+    if number is not None:
+        return number
     if tx is list or tx is tuple:
         return ("seq", tx, tuple(walk(v, walked, f"{path}[{i}]", depth + 1, counter)
                                  for i, v in enumerate(x)))
@@ -98,7 +114,8 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
     if attrs is None:
         where = f" (at {path})" if depth else ""
         raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {tx.__qualname__}{where} "
-                           "(tensors, numbers, strings, None, dtypes, devices, containers "
+                           "(tensors, numbers, NumPy scalars, strings, None, dtypes, devices, "
+                           "containers "
                            "and objects with attributes are keyed)")
     names = tuple(attrs)
     return ("attrs", names, tuple(walk(v, walked, f"{path}.{k}", depth + 1, counter)

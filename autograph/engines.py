@@ -29,6 +29,9 @@ from .notify import global_hooks
 from .options import Options
 from .stats import register as register_stats
 
+_MODULE_CALL = nn.Module.__call__
+_CALL_IMPL = nn.Module._call_impl
+
 # every live graphed callable, for autograph.reset(), stats() and plans
 _handles: weakref.WeakSet[Handle] = weakref.WeakSet()
 
@@ -99,11 +102,17 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
     forward = getattr(type(module), "forward", None)
 
     def trusted() -> bool:
-        """The class's forward is the one called (none set on the instance), and no
-        forward hook sees the call's spelling (a pre-hook reading ``kwargs``)."""
+        """The class's forward is the one called (none set on the instance, none
+        patched into the class since), through ``nn.Module``'s own ``__call__`` (a class
+        may override it and read ``kwargs``), and no forward hook sees the call's
+        spelling (a pre-hook reading ``kwargs``)."""
         m = ref()
-        return (m is not None and "forward" not in vars(m) and not m._forward_pre_hooks
-                and not m._forward_hooks and not global_hooks())
+        if m is None:
+            return False
+        cls = type(m)
+        return (cls.forward is forward and cls.__call__ is _MODULE_CALL
+                and cls._call_impl is _CALL_IMPL and "forward" not in vars(m)
+                and not m._forward_pre_hooks and not m._forward_hooks and not global_hooks())
 
     return make_engine(fn, options, type(module).__qualname__, roots, forward, True,
                        method=True, trusted=trusted)

@@ -63,6 +63,25 @@ from .steps import StepGuard
 
 _Module = nn.Module
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
+
+
+def _SETATTR(module: nn.Module, name: str, value: Any) -> None:  # noqa: N802
+    """``nn.Module.__setattr__`` past the assignment hook (``notify.install``)."""
+    setter = nn.Module.__setattr__
+    getattr(setter, "__wrapped__", setter)(module, name, value)
+
+
+def _DELATTR(module: nn.Module, name: str) -> None:  # noqa: N802
+    deleter = nn.Module.__delattr__
+    getattr(deleter, "__wrapped__", deleter)(module, name)
+_Lazy = getattr(torch.nn.parameter, "UninitializedTensorMixin", ())
+
+
+def _held_ptr(t: torch.Tensor) -> int:
+    """``t``'s address; -1 for a lazy module's parameter not yet initialised
+    (``nn.LazyLinear`` before its first call, which has no memory; its module runs
+    eagerly then, through its initialising hook)."""
+    return -1 if isinstance(t, _Lazy) else _ptr(t)
 _getitem = operator.getitem
 _grad_enabled = torch.is_grad_enabled
 # One C++ pass comparing tensors' data pointers with expected ones (CUDA builds; the
@@ -88,6 +107,10 @@ class Watch:
         # by a tensor of its shape and dtype (see ``moved_only``)
         self.altered = False
         self.assigned: str | None = None
+        # (module, name, what it held) at the first assignment of each attribute by the
+        # running call since ``forget_assignments``: to tell a set-and-reset from a
+        # change, and to undo what a failed capture's Python assigned
+        self.assignments: list[tuple[nn.Module, str, Any]] = []
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         # a scripted module whose code assigns an attribute (notify.script_assigns)
@@ -165,7 +188,7 @@ class Watch:
         self.stale = False
 
     def _current_ptrs(self) -> list[int]:
-        return list(map(_ptr, map(_getitem, self._holders, self._names)))
+        return list(map(_held_ptr, map(_getitem, self._holders, self._names)))
 
     # -- the per-call check --------------------------------------------------------
     def ok(self) -> bool:
@@ -269,6 +292,32 @@ class Watch:
                 continue
             version = t._version if t.device != device else None
             self._hidden.append((ref, t.data_ptr(), version))
+
+    def forget_assignments(self) -> None:
+        """Start noting the running call's assignments afresh."""
+        self.assigned = None
+        self.assignments = []
+
+    def assigned_and_kept(self) -> str | None:
+        """The first attribute the running call assigned and left changed (one set and
+        put back, as a layer's ``self._alpha = a ... self._alpha = None``, is no
+        change), or None."""
+        if self.assigned is None or not self.assignments:
+            return self.assigned
+        for module, name, was in self.assignments:
+            if not same(notify.current(module, name), was):
+                return f"{type(module).__name__}.{name}"
+        return None
+
+    def undo_assignments(self) -> None:
+        """Put back what the running call assigned (a capture that failed: its Python
+        ran, and what it set, tensors of the pool, must not reach the eager run)."""
+        for module, name, was in reversed(self.assignments):
+            if was is notify.MISSING:
+                _DELATTR(module, name)
+            else:
+                _SETATTR(module, name, was)
+        self.forget_assignments()
 
     def owner_assigned(self, name: str) -> None:
         """The call running assigned an attribute of the plain object (as the hook tells
@@ -389,13 +438,16 @@ class Watch:
             flags = self._training = tuple(m.training for m in modules if m is not None)
         return flags
 
-    def _on_assign(self, module: nn.Module, name: str, swap: bool = False) -> None:
+    def _on_assign(self, module: nn.Module, name: str, swap: bool = False,
+                   was: Any = notify.MISSING) -> None:
         if name == "training":
             self._training = None  # read again at the next call: it is in the key
             self.training_changes += 1  # (a capture under way compares it)
             return
         if self in getattr(_local, "running", ()):
-            self.assigned = f"{type(module).__name__}.{name}"
+            self.assigned = self.assigned or f"{type(module).__name__}.{name}"
+            if not any(m is module and n == name for m, n, _ in self.assignments):
+                self.assignments.append((module, name, was))
         else:
             self.dirty = True
             self.altered = self.altered or not swap

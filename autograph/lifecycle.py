@@ -48,6 +48,11 @@ CAPTURE_LOCK = threading.RLock()
 CAPTURE_ERRORS = (RuntimeError, MemoryError)
 
 
+class AttributeSet(Uncapturable):
+    """The call assigned an attribute of a watched module (or of the plain object whose
+    method it is) and left it changed."""
+
+
 class RandomFound(Exception):
     """A capture without the device's generator (``rng_free``) found the call drawing
     random numbers after all: capture it again with the generator."""
@@ -89,7 +94,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     tags = [_attributes(t) for t in state]
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
-    watch.assigned = None
+    watch.forget_assignments()
     host = _host_random_state(device) if learn else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
@@ -140,8 +145,11 @@ def _tensor_leaves(out: Any) -> list[torch.Tensor]:
 def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.device) -> None:
     """Raise for what a warmup run showed a graph would get wrong (``outs``: the
     output tensors)."""
-    if watch.assigned or watch.script_assigns:
-        raise Uncapturable(EagerReason.ASSIGNS, watch.assigned or watch.script_assigns or "")
+    assigned = watch.assigned_and_kept()
+    if assigned:
+        raise AttributeSet(EagerReason.ASSIGNS, assigned)
+    if watch.script_assigns:
+        raise Uncapturable(EagerReason.ASSIGNS, watch.script_assigns)
     if host is not None and _host_random_state(device) != host:
         raise Uncapturable(EagerReason.HOST_RANDOM)
     if torch.is_grad_enabled() and any(t.requires_grad for t in outs):
@@ -162,9 +170,11 @@ def requires_grad(out: Any) -> bool:
 def _geometry(leaves: Any, positions: tuple[int, ...]) -> list[tuple[Any, ...]]:
     """Each tensor argument's sizes, strides and address, to tell a call that resizes
     or re-points one (``out=`` an empty tensor, ``resize_``, ``set_``, ``.data =``), and
-    its Python attributes (``x.tag = ...``: a replay would not set them)."""
+    its Python attributes (``x.tag = ...``), ``requires_grad`` and ``.grad`` (a replay
+    would not set them)."""
     return [(leaves[i].shape, leaves[i].stride(), leaves[i].data_ptr(),
-             _attributes(leaves[i])) for i in positions]
+             _attributes(leaves[i]), leaves[i].requires_grad, id(leaves[i].grad))
+            for i in positions]
 
 
 def _attributes(t: torch.Tensor) -> tuple[tuple[str, int], ...]:
@@ -172,11 +182,12 @@ def _attributes(t: torch.Tensor) -> tuple[tuple[str, int], ...]:
     return tuple((k, id(v)) for k, v in t.__dict__.items())
 
 
-def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[Any, ...]]
-                    ) -> None:
+def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[Any, ...]],
+                    flags: bool = False) -> None:
     """Raise if the call resized or re-pointed a tensor argument (a graph keeps the
     geometry and the address it captured: a later call's tensor would not be written)
-    or set a Python attribute on one (a replay would not)."""
+    or set a Python attribute on one (a replay would not); with ``flags``, also its
+    ``requires_grad`` or ``.grad``."""
     for i, was in zip(positions, before):
         t = leaves[i]
         if (t.shape, t.stride(), t.data_ptr()) != was[:3]:
@@ -185,6 +196,9 @@ def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[
         if _attributes(t) != was[3]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call sets a Python attribute of "
                                f"tensor argument {i}")
+        if flags and (t.requires_grad, id(t.grad)) != was[4:]:
+            raise Uncapturable(EagerReason.ASSIGNS, f"the call sets .grad or requires_grad "
+                               f"of tensor argument {i}")
 
 
 def _check_attributes(outs: list[torch.Tensor], flat: Flat, state: list[torch.Tensor],
@@ -305,7 +319,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if reuse:
         backend = OnPool(backend, backend.private_pool(device))
     leaves = list(flat.leaves)
-    static = StaticInputs(leaves, [i for i in flat.tensor_pos if i not in inplace])
+    copied = [i for i in flat.tensor_pos if i not in inplace]
+    _check_argument_state(leaves, copied)
+    static = StaticInputs(leaves, copied)
+    _show_requires_grad(static, leaves)
     substituted = static.substitute(leaves)
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
@@ -322,7 +339,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
              | {storage_ptr(b) for b in static.buffers if b.numel()})
     recorder = WriteRecorder(watched, known)
     footprint = Footprint(known, device)  # what the graph needs of the pool
-    watch.assigned = None
+    watch.forget_assignments()
     host = _host_random_state(device)
     stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
 
@@ -359,7 +376,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check(watch, [], host, device)
     _check_held(held, restore=True)
     _check_objects(flat)
-    _check_geometry(substituted, flat.tensor_pos, shapes)
+    # (a warmup's changes reach the caller's tensors; autograd's, under grad mode, are
+    # the training graph's to make)
+    _check_geometry(substituted, flat.tensor_pos, shapes, flags=not torch.is_grad_enabled())
     syncs = containers.changes(snap, out) if snap else ()
     if watch.refs_assigned(refs):
         raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
@@ -379,9 +398,12 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
+    grads_of = [*stepped.parameters(), *_grads_read(recorder.hidden.values(), [
+        *watch.tensors(), *(leaves[i] for i in inplace)])]
     captured = Captured(graph, static, build, backend, device, recorder.seeded,
                         list(recorder.hidden.values()), state_written, inplace, reuse)
     captured.footprint = needs
+    captured.grads_of = grads_of
     captured.effects = effects
     captured.syncs = syncs
     captured.bumps = _bumps(counted, before, len(inplace), inplace)
@@ -394,11 +416,50 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 REF_ASSIGNED = "a global or class attribute that it reads"
 
 
+def _check_argument_state(leaves: list[Any], copied: list[int]) -> None:
+    """What a static buffer cannot stand in for: a tensor argument with a ``.grad``
+    (a gradient-clipping or optimizer helper reads it: captured in place, by address,
+    its ``.grad`` guarded) or with Python attributes (``x.scale``, not keyed)."""
+    graded = {i for i in copied if leaves[i].grad is not None} \
+        if not torch.is_grad_enabled() else None
+    if graded:
+        raise WritesFound(graded)
+    for i in copied:
+        if leaves[i].__dict__:
+            raise Uncapturable(EagerReason.UNKEYABLE, f"tensor argument {i} carries Python "
+                               f"attributes ({next(iter(leaves[i].__dict__))}), which a graph "
+                               f"would keep")
+
+
+def _show_requires_grad(static: StaticInputs, leaves: list[Any]) -> None:
+    """Give the static buffers their arguments' ``requires_grad`` where autograd records
+    nothing (``[p for p in params if p.requires_grad]`` under ``no_grad``); the key
+    holds the flag, so every call of the graph passes the same."""
+    if torch.is_grad_enabled():
+        return
+    for i, buf in zip(static.positions, static.buffers):
+        if leaves[i].requires_grad and not buf.requires_grad and buf.is_leaf:
+            buf.requires_grad_(True)
+
+
+def _grads_read(hidden: Any, owners: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of ``owners`` whose ``.grad`` the capture read (a graph would read that
+    tensor for ever, while ``zero_grad(set_to_none=True)`` and a backward give the
+    owner another): their ``.grad`` is guarded as it is now (``StepGuard.add_grads``)."""
+    read = {storage_ptr(t) for t in hidden if t.numel()}
+    if not read:
+        return []
+    return [t for t in owners
+            if t.grad is not None and t.grad.numel() and storage_ptr(t.grad) in read]
+
+
 def changed_once(problem: Uncapturable) -> bool:
     """Whether a learning warmup's problem may be a lazy set-up, made once (a global
-    set, a module's dict filled at its first call): the next warmup learns again."""
+    set, a module's dict filled or an attribute set at its first call, as a layer
+    caching its normalised adjacency): the next warmup learns again."""
     detail = problem.detail or ""
-    return detail == REF_ASSIGNED or detail.startswith(containers.MODULE_CONTAINER)
+    return (isinstance(problem, AttributeSet) or detail == REF_ASSIGNED
+            or detail.startswith(containers.MODULE_CONTAINER))
 
 
 def _hidden_bumps(recorder: Any, counted: set[int]) -> tuple[Any, ...]:

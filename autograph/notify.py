@@ -36,18 +36,24 @@ watched_lock = threading.RLock()
 _installed = False
 
 RECHECK = "hooks registered since the last check"
+MISSING = _MISSING
 
 
-def _changes(module: nn.Module, name: str, value: Any) -> bool:
+def current(module: nn.Module, name: str) -> Any:
+    """What ``module.name`` holds (a plain attribute, a parameter, a buffer or a
+    submodule), or ``MISSING``."""
     d = module.__dict__
     old = d.get(name, _MISSING)
     if old is _MISSING:
         for holder in ("_parameters", "_buffers", "_modules"):
             inner = d.get(holder)
             if inner is not None and name in inner:
-                old = inner[name]
-                break
-    return not same(value, old)
+                return inner[name]
+    return old
+
+
+def _changes(module: nn.Module, name: str, value: Any) -> bool:
+    return not same(value, current(module, name))
 
 
 def _swap(module: nn.Module, name: str, value: Any) -> bool:
@@ -158,8 +164,9 @@ def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
     ws = watched.get(id(module))
     if ws:
         swap = value is not _MISSING and _swap(module, name, value)
+        was = current(module, name)
         for watch in list(ws):
-            watch._on_assign(module, name, swap)
+            watch._on_assign(module, name, swap, was)
 
 
 def install() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,6 +81,21 @@ def _trains(engine: Engine, key: GraphKey, entry: Entry, flat: Flat) -> bool:
     return engine.for_backward(key, flat) and not entry.contained
 
 
+def _undone_if_failed(run_capture: Callable[..., Any], engine: Engine, flat: Flat,
+                      backend: Backend, device: torch.device, inplace: tuple[int, ...],
+                      rng_free: bool) -> Any:
+    """Capture; where the capture fails, undo the module attributes its Python assigned
+    (a layer caching a tensor of the pool on itself: the eager run would read it)."""
+    watch = engine.watch
+    watch.forget_assignments()
+    try:
+        return run_capture(engine.fn, flat, backend, device, watch, inplace,
+                           engine.options.outputs == "reuse", rng_free=rng_free)
+    except BaseException:
+        watch.undo_assignments()
+        raise
+
+
 def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
              device: torch.device) -> Any:
     """Capture the call, replay it once for its result, and keep the graph."""
@@ -100,9 +116,8 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
                        else lifecycle.capture)
         try:
             with engine.profiler_range("capture"):
-                captured = run_capture(engine.fn, flat, backend, device, engine.watch,
-                                       inplace, engine.options.outputs == "reuse",
-                                       rng_free=entry.draws is False)
+                captured = _undone_if_failed(run_capture, engine, flat, backend, device,
+                                             inplace, rng_free=entry.draws is False)
         except lifecycle.RandomFound:  # its warmup drew none, its capture did
             entry.draws = True
             return capture(engine, key, entry, flat, backend, device)
@@ -213,6 +228,9 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
     if captured.hidden:
         engine.watch.guard_hidden(captured.hidden, captured.device)
         captured.hidden = []  # guarded by weak reference: the graph must not keep them
+    if captured.grads_of:  # the .grad each holds, as the graph reads it
+        engine.watch.steps.add_grads(captured.grads_of)
+        captured.grads_of = []
     entry.graph = captured
     entry.syncs = captured.syncs
     run = replay.versioned(replay.in_inference_mode(captured.runner(), captured), captured)

@@ -69,7 +69,7 @@ class Captured:
 
     __slots__ = ("graph", "static", "build", "pool", "device", "backend", "seeded", "hidden",
                  "state_written", "inplace", "reuse", "_holders", "footprint", "effects",
-                 "held_reason", "rotation", "syncs", "bumps")
+                 "held_reason", "rotation", "syncs", "bumps", "grads_of")
 
     def __init__(self, graph: Any, static: StaticInputs, build: Callable[[list[Any]], Any],
                  backend: Backend, device: torch.device, seeded: bool,
@@ -97,6 +97,8 @@ class Captured:
         self.syncs: tuple[Any, ...] = ()
         # the version counters a call advances, as its capture did (:func:`versioned`)
         self.bumps = Bumps((), ())
+        # tensors whose .grad the graph reads (lifecycle._grads_read): guarded, then []
+        self.grads_of: list[torch.Tensor] = []
 
     def holders(self) -> tuple[Holder, ...]:
         """A :class:`Holder` per pool storage that an output lives in.  Taken on the

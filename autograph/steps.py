@@ -48,6 +48,11 @@ class Stepped:
             self._handle.remove()
             self._handle = None
 
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters of the optimizers stepped: each step reads their ``.grad``
+        (and skips those that have none)."""
+        return [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
+
     def _seen(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if threading.get_ident() == self._thread and not any(
                 o is optimizer for o in self.optimizers):

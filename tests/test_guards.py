@@ -797,6 +797,142 @@ def test_zero_signs_numpy_scalars_and_complex_values_are_guarded(standin):
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded()
 
 
+def _scaled(x, s, c):
+    return x * float(s) + c.real
+
+
+def _branch_on_conj(z):
+    return z.imag * 2 if z.is_conj() else z.real * 3
+
+
+def check_numpy_scalars_complex_and_conjugate_arguments_are_keyed(device="cpu"):
+    """NumPy scalars and complex numbers passed as arguments are keyed by value (they
+    ran eagerly, unkeyable), and a conjugate view is keyed apart from a plain tensor
+    (a branch on ``z.is_conj()`` was baked in by the first one captured) (shared with
+    tests/gpu)."""
+    import numpy as np
+
+    g = autograph.graphed(_scaled)
+    b = autograph.graphed(_branch_on_conj)
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(3, device=device)
+            s, c = np.float32(0.5 + i % 2), complex(1.0, 2.0 + i % 2)
+            torch.testing.assert_close(g(x, s, c), _scaled(x, s, c), rtol=0, atol=0)
+            z = torch.randn(3, dtype=torch.complex64, device=device)
+            z = z.conj() if i % 2 else z
+            torch.testing.assert_close(b(z), _branch_on_conj(z), rtol=0, atol=0)
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+    assert autograph.stats(b)["replays"] >= 4, autograph.stats(b)
+
+
+def test_numpy_scalars_complex_and_conjugate_arguments_are_keyed(standin):
+    check_numpy_scalars_complex_and_conjugate_arguments_are_keyed()
+
+
+def check_lazy_modules_initialise_then_graph(device="cpu"):
+    """A module with lazy parameters (``nn.LazyLinear``) raised on its first call: the
+    guard read the address of a parameter that has no memory yet.  Its first call
+    initialises it eagerly, later calls graph (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(6), torch.nn.ReLU(), torch.nn.LazyLinear(3))
+    g = autograph.graphed(lazy.to(device))
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 5, device=device)
+            torch.testing.assert_close(g(x), lazy(x), rtol=0, atol=0)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_lazy_modules_initialise_then_graph(standin):
+    check_lazy_modules_initialise_then_graph()
+
+
+def _clip(params):
+    return torch.nn.utils.clip_grad_norm_(params, 1.0)
+
+
+def _trainable_norm(params):
+    return sum(p.norm() for p in params if p.requires_grad)
+
+
+def _freeze(x, p):
+    p.requires_grad_(False)
+    return x * 2
+
+
+def check_gradients_and_flags_of_arguments_are_seen(device="cpu"):
+    """A static buffer stood for an argument without its ``.grad`` or ``requires_grad``:
+    ``clip_grad_norm_`` over parameters passed in clipped nothing, a filter on
+    ``requires_grad`` kept nothing, ``requires_grad_`` inside the call never reached the
+    caller (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    clip, norm, freeze = (autograph.graphed(f) for f in (_clip, _trainable_norm, _freeze))
+    params = [torch.randn(5, 3, device=device, requires_grad=True) for _ in range(3)]
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    kept = []
+    for i in range(9):
+        for p, t in zip(params, twins):
+            grad = torch.randn_like(p) * 3
+            if i < 6 and p.grad is not None:  # gradients written in place, then new ones
+                p.grad.copy_(grad)
+                t.grad.copy_(grad)
+            else:
+                kept.append(p.grad)
+                p.grad, t.grad = grad.clone(), grad.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(clip(params), _clip(twins), rtol=0, atol=0)
+            torch.testing.assert_close(norm(params), _trainable_norm(twins), rtol=0, atol=0)
+            for p, t in zip(params, twins):
+                torch.testing.assert_close(p.grad, t.grad, rtol=0, atol=0)
+            q = torch.zeros(3, device=device, requires_grad=True)
+            freeze(torch.randn(3, device=device), q)
+            assert not q.requires_grad
+    assert autograph.stats(clip)["replays"] >= 2, autograph.stats(clip)
+    assert autograph.stats(norm)["replays"] >= 2, autograph.stats(norm)
+
+
+def test_gradients_and_flags_of_arguments_are_seen(standin):
+    check_gradients_and_flags_of_arguments_are_seen()
+
+
+def check_an_optimizer_step_reads_the_gradients_it_is_given(device="cpu"):
+    """A graphed function stepping an optimizer on gradients made outside it read the
+    first capture's ``.grad`` tensors for ever: after ``zero_grad(set_to_none=True)`` and
+    a backward (the old gradients kept alive elsewhere) the steps used stale
+    gradients.  The ``.grad`` of each parameter is guarded (shared with tests/gpu)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(device)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, twin)]
+    kept = []
+
+    @autograph.graphed
+    def step(x):
+        opts[0].step()
+        return x * 2
+
+    for set_to_none in (False, True):
+        for _ in range(5):
+            x = torch.randn(2, 4, device=device)
+            for m, opt in zip((model, twin), opts):
+                opt.zero_grad(set_to_none=set_to_none)
+                m(x).pow(2).sum().backward()
+            kept += [p.grad for p in model.parameters()]  # new gradients, old ones alive
+            with torch.no_grad():
+                step(x)
+            opts[1].step()
+            for a, b in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(a, b)
+    assert autograph.stats(step)["replays"] >= 2, autograph.stats(step)
+
+
+def test_an_optimizer_step_reads_the_gradients_it_is_given(standin):
+    check_an_optimizer_step_reads_the_gradients_it_is_given()
+
+
 class _Knob:
     k = 0.0
 

@@ -2399,6 +2399,103 @@ def test_keywords_stay_keywords_where_the_called_function_reads_them(standin):
         only(x=torch.randn(3))
 
 
+class _Clamping(nn.Module):
+    """A module whose own ``__call__`` reads how it was called."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        y = self.lin(x)
+        return y if mask is None else y * mask
+
+    def __call__(self, *args, **kwargs):
+        if "mask" in kwargs:
+            kwargs["mask"] = kwargs["mask"].clamp(min=0.5)
+        return super().__call__(*args, **kwargs)
+
+
+class _Ordered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, mask=None):
+        return self.lin(x) * (1 if mask is None else mask)
+
+
+def test_keywords_stay_keywords_for_a_class_call_or_a_patched_forward(standin):
+    """A class overriding ``__call__`` reads ``kwargs``: a keyword moved into position
+    changed every call; so did a class ``forward`` patched after wrapping to take
+    ``(*args, **kwargs)`` (the moving used the forward seen at wrapping)."""
+    torch.manual_seed(0)
+    m = _Clamping()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(5):
+            x, k = torch.randn(2, 4), torch.rand(2, 4)
+            torch.testing.assert_close(g(x, mask=k), m(x, mask=k))
+    assert autograph.stats(g)["replays"] >= 2
+
+    o = _Ordered()
+    h = autograph.graphed(o)
+    with torch.no_grad():
+        x, k = torch.randn(2, 4), torch.rand(2, 4)
+        torch.testing.assert_close(h(x, mask=k), o(x, mask=k))
+        original = _Ordered.forward
+        _Ordered.forward = lambda self, *args, **kw: self.lin(args[0]) + kw.get("mask", 0)
+        try:
+            for _ in range(5):
+                x, k = torch.randn(2, 4), torch.rand(2, 4)
+                torch.testing.assert_close(h(x, mask=k), o(x, mask=k))
+        finally:
+            _Ordered.forward = original
+
+
+class _PlusOne(torch.overrides.TorchFunctionMode):
+    """A user's function mode that changes what a matmul returns."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        return out + 1 if func is torch.matmul else out
+
+
+def _project(x, w):
+    return torch.matmul(x, w).relu()
+
+
+def check_function_modes_are_keyed(device: str = "cpu") -> None:
+    """A graph captured under a user's ``TorchFunctionMode`` replayed its effect after
+    the mode was gone, and one captured without it ignored it; a device context
+    (``with torch.device(...)``) was not keyed either (shared with tests/gpu)."""
+    g = autograph.graphed(_project)
+    mode = _PlusOne()
+    w = torch.randn(4, 4, device=device)
+    with torch.no_grad():
+        for phase in range(3):
+            for _ in range(4):
+                x = torch.randn(2, 4, device=device)
+                if phase == 1:
+                    with mode:
+                        got = g(x, w)
+                    with mode:
+                        want = _project(x, w)
+                else:
+                    got, want = g(x, w), _project(x, w)
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        made = autograph.graphed(lambda x: x + torch.arange(4, device=x.device))
+        for _ in range(4):
+            x = torch.randn(4, device=device)
+            with torch.device("meta"):
+                torch.testing.assert_close(made(x), x + torch.arange(4, device=device))
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+def test_function_modes_are_keyed(standin):
+    check_function_modes_are_keyed()
+
+
 def check_class_tensors_and_modules_are_guarded(device: str = "cpu") -> None:
     """A tensor or module a class holds, read through a classmethod's ``cls`` or a
     global class, rebound between calls: the graphs see it (only plain values were

@@ -39,10 +39,14 @@ from ..test_buckets import (
     check_the_padding_check_leaves_the_generator_as_it_found_it,
 )
 from ..test_guards import (
+    check_an_optimizer_step_reads_the_gradients_it_is_given,
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
     check_function_arguments_are_keyed_by_code_and_values,
+    check_gradients_and_flags_of_arguments_are_seen,
+    check_lazy_modules_initialise_then_graph,
     check_named_tensors_given_other_memory_in_place_are_seen,
+    check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
     check_scripted_modules_attributes_and_modes_are_seen,
     check_written_state_passed_from_the_first_call,
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded,
@@ -70,6 +74,7 @@ from ..test_usage import (
     check_container_arguments_shared_nested_and_returned_twice,
     check_containers_changed_in_place_are_seen,
     check_flags_read_through_classes_and_globals,
+    check_function_modes_are_keyed,
     check_global_hooks_registered_through_any_name_are_seen,
     check_lists_and_dicts_a_module_holds,
     check_objects_the_call_returns,
@@ -362,3 +367,23 @@ def test_class_tensors_and_modules_are_guarded():
 
 def test_grad_mode_inference_of_a_batch_norm_model():
     check_grad_mode_inference_of_a_batch_norm_model("cuda")
+
+
+def test_numpy_scalars_complex_and_conjugate_arguments_are_keyed():
+    check_numpy_scalars_complex_and_conjugate_arguments_are_keyed("cuda")
+
+
+def test_lazy_modules_initialise_then_graph():
+    check_lazy_modules_initialise_then_graph("cuda")
+
+
+def test_gradients_and_flags_of_arguments_are_seen():
+    check_gradients_and_flags_of_arguments_are_seen("cuda")
+
+
+def test_an_optimizer_step_reads_the_gradients_it_is_given():
+    check_an_optimizer_step_reads_the_gradients_it_is_given("cuda")
+
+
+def test_function_modes_are_keyed():
+    check_function_modes_are_keyed("cuda")

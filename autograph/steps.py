@@ -61,13 +61,16 @@ class Stepped:
 
 def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     """What a captured step baked in of ``optimizer``: per parameter group its
-    hyper-parameters (tensors by identity) and its number of parameters, and the
-    number of parameters with state."""
+    hyper-parameters (tensors by identity) and which of its parameters require grad
+    (a frozen one gets no step), and the addresses of its state tensors (the graph
+    steps the momentum it captured: ``load_state_dict`` gives others)."""
     groups = tuple(
-        (len(group["params"]),) + tuple(
+        (tuple([p.requires_grad for p in group["params"]]),) + tuple(
             (name, _value(value)) for name, value in group.items() if name != "params")
         for group in optimizer.param_groups)
-    return groups, len(optimizer.state)
+    state = tuple([v.data_ptr() if isinstance(v, torch.Tensor) else _value(v)
+                   for per in optimizer.state.values() for v in per.values()])
+    return groups, state
 
 
 def _value(value: Any) -> Any:

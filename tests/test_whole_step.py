@@ -176,3 +176,44 @@ def test_a_backward_inside_a_call_returning_a_tensor_that_requires_grad_runs_eag
             torch.testing.assert_close(p.grad, q.grad)
     s = autograph.stats(fn)
     assert s["replays"] == 0 and s["eager_reasons"].get("backward_unsupported") == 5, s
+
+
+def _classifier_step(model, opt):
+    def step(x, y):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def check_whole_steps_see_frozen_layers_and_loaded_optimizer_state(device="cpu"):
+    """A graphed whole step kept training a layer frozen after its capture (and never
+    trained one unfrozen), and kept stepping the momentum it captured after
+    ``optimizer.load_state_dict`` (shared with tests/gpu)."""
+    torch.manual_seed(0)
+    eager_model = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 3)).to(device)
+    graphed_model = copy.deepcopy(eager_model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            for m in (eager_model, graphed_model)]
+    eager = _classifier_step(eager_model, opts[0])
+    graphed = autograph.graphed(_classifier_step(graphed_model, opts[1]))
+    for i in range(14):
+        x, y = torch.randn(5, 6, device=device), torch.randint(0, 3, (5,), device=device)
+        if i in (5, 8):  # freeze the first layer, then train it again
+            for m in (eager_model, graphed_model):
+                m[0].requires_grad_(i == 8)
+        if i == 4:
+            saved = copy.deepcopy((eager_model.state_dict(), opts[0].state_dict()))
+        if i == 11:  # resume from the checkpoint
+            for m, opt in zip((eager_model, graphed_model), opts):
+                m.load_state_dict(saved[0])
+                opt.load_state_dict(copy.deepcopy(saved[1]))
+        eager(x, y)
+        graphed(x, y)
+        for a, b in zip(eager_model.parameters(), graphed_model.parameters()):
+            torch.testing.assert_close(a, b)
+    assert autograph.stats(graphed)["replays"] >= 2, autograph.stats(graphed)
+
+
+def test_whole_steps_see_frozen_layers_and_loaded_optimizer_state(standin):
+    check_whole_steps_see_frozen_layers_and_loaded_optimizer_state()

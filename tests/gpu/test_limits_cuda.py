@@ -91,6 +91,7 @@ from ..test_usage import (
     check_views_of_parameters_are_new_views_per_call,
     check_written_conjugate_and_negative_views,
 )
+from ..test_whole_step import check_whole_steps_see_frozen_layers_and_loaded_optimizer_state
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -387,3 +388,7 @@ def test_an_optimizer_step_reads_the_gradients_it_is_given():
 
 def test_function_modes_are_keyed():
     check_function_modes_are_keyed("cuda")
+
+
+def test_whole_steps_see_frozen_layers_and_loaded_optimizer_state():
+    check_whole_steps_see_frozen_layers_and_loaded_optimizer_state("cuda")

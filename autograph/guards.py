@@ -77,7 +77,7 @@ def _DELATTR(module: nn.Module, name: str) -> None:  # noqa: N802
 _Lazy = getattr(torch.nn.parameter, "UninitializedTensorMixin", ())
 
 
-def _held_ptr(t: torch.Tensor) -> int:
+def _held_ptr(t: Any) -> int:
     """``t``'s address; -1 for a lazy module's parameter not yet initialised
     (``nn.LazyLinear`` before its first call, which has no memory; its module runs
     eagerly then, through its initialising hook)."""

@@ -173,8 +173,14 @@ def _geometry(leaves: Any, positions: tuple[int, ...]) -> list[tuple[Any, ...]]:
     its Python attributes (``x.tag = ...``), ``requires_grad`` and ``.grad`` (a replay
     would not set them)."""
     return [(leaves[i].shape, leaves[i].stride(), leaves[i].data_ptr(),
-             _attributes(leaves[i]), leaves[i].requires_grad, id(leaves[i].grad))
+             _attributes(leaves[i]), leaves[i].requires_grad, id(_grad(leaves[i])))
             for i in positions]
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad`` of a leaf; None for a tensor autograd made (reading its ``.grad``
+    warns, an error under ``-W error``, and it has none)."""
+    return t.grad if t.is_leaf else None
 
 
 def _attributes(t: torch.Tensor) -> tuple[tuple[str, int], ...]:
@@ -196,7 +202,7 @@ def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[
         if _attributes(t) != was[3]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call sets a Python attribute of "
                                f"tensor argument {i}")
-        if flags and (t.requires_grad, id(t.grad)) != was[4:]:
+        if flags and (t.requires_grad, id(_grad(t))) != was[4:]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call sets .grad or requires_grad "
                                f"of tensor argument {i}")
 
@@ -420,7 +426,7 @@ def _check_argument_state(leaves: list[Any], copied: list[int]) -> None:
     """What a static buffer cannot stand in for: a tensor argument with a ``.grad``
     (a gradient-clipping or optimizer helper reads it: captured in place, by address,
     its ``.grad`` guarded) or with Python attributes (``x.scale``, not keyed)."""
-    graded = {i for i in copied if leaves[i].grad is not None} \
+    graded = {i for i in copied if _grad(leaves[i]) is not None} \
         if not torch.is_grad_enabled() else None
     if graded:
         raise WritesFound(graded)
@@ -449,8 +455,8 @@ def _grads_read(hidden: Any, owners: list[torch.Tensor]) -> list[torch.Tensor]:
     read = {storage_ptr(t) for t in hidden if t.numel()}
     if not read:
         return []
-    return [t for t in owners
-            if t.grad is not None and t.grad.numel() and storage_ptr(t.grad) in read]
+    return [t for t in owners if (g := _grad(t)) is not None and g.numel()
+            and storage_ptr(g) in read]
 
 
 def changed_once(problem: Uncapturable) -> bool:

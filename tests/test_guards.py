@@ -1047,3 +1047,18 @@ def check_scripted_modules_attributes_and_modes_are_seen(device="cpu"):
 
 def test_scripted_modules_attributes_and_modes_are_seen(standin):
     check_scripted_modules_attributes_and_modes_are_seen()
+
+
+def test_non_leaf_arguments_raise_no_warning(standin):
+    """Reading a non-leaf argument's ``.grad`` warns (an error under ``-W error``): a
+    graphed head on a backbone's output, under grad mode, must not read it."""
+    import warnings
+
+    backbone, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    g = autograph.graphed(head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            x = torch.randn(3, 4)
+            torch.testing.assert_close(g(backbone(x)), head(backbone(x)))
+    assert autograph.stats(g)["replays"] >= 1, autograph.stats(g)

@@ -33,6 +33,7 @@ from .capture import Backend, OnPool
 from .flat import Flat
 from .footprint import Footprint
 from .guards import Watch, running
+from .modes import modes
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Bumps, Captured, use_count
 from .steps import Stepped
@@ -42,6 +43,37 @@ from .vocab import EagerReason, Uncapturable
 # Warmups and captures are serialized process-wide: capture must not interleave with
 # another capture into the same pool, and it keeps warmup and capture on one stream.
 CAPTURE_LOCK = threading.RLock()
+# How long a warmup or capture waits for another thread's: a call whose Python waits on
+# a worker thread that calls a graphed callable (a branch in a thread pool) holds the
+# lock while the worker waits for it; past this the worker runs eagerly instead
+LOCK_WAIT = 2.0
+LOCK_BUSY = "another thread was warming up or capturing (its call may wait on this one)"
+WAITS_ON_THREADS = ("the call waits on another thread's graphed call (a worker thread), "
+                    "which cannot warm up while this one does")
+_timeouts = [0]  # waits for the lock that ran out, process-wide
+
+
+def lock_timeouts() -> int:
+    """How many waits for ``CAPTURE_LOCK`` ran out so far: one that runs out during a
+    call's warmup shows that call waiting on another thread's graphed call."""
+    return _timeouts[0]
+
+
+class capture_turn:  # noqa: N801 - used like a function
+    """``CAPTURE_LOCK``, waited for at most ``LOCK_WAIT`` seconds: entered, it says
+    whether this thread holds it (if not, run the call eagerly)."""
+
+    __slots__ = ("held",)
+
+    def __enter__(self) -> bool:
+        self.held = CAPTURE_LOCK.acquire(timeout=LOCK_WAIT)
+        if not self.held:
+            _timeouts[0] += 1
+        return self.held
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            CAPTURE_LOCK.release()
 
 # Exceptions that a failed capture raises (torch's own, and the CPU stand-in's
 # RuntimeError subclass).  Anything else comes from the user's code: it propagates.
@@ -98,6 +130,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     host = _host_random_state(device) if learn else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
+    flags = modes(device) if learn else None
     with call_scope(watch):  # as a capture: no stale casts read
         if timed:
             backend.synchronize(device)
@@ -123,6 +156,11 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
             raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
+        if flags is not None and modes(device) != flags:
+            # the call leaves a process-wide flag changed (``set_float32_matmul_precision``
+            # and no restore): every capture would see the flags move under it and run
+            # the call again; eager, unless it was a set-up made once
+            raise AttributeSet(EagerReason.ASSIGNS, FLAGS_CHANGED)
         _check_held(held, restore=False)
         problem = None
     except Uncapturable as exc:
@@ -420,6 +458,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 
 
 REF_ASSIGNED = "a global or class attribute that it reads"
+FLAGS_CHANGED = ("a process-wide mode or numerics flag (matmul precision, the default "
+                 "dtype, grad mode) that it leaves changed")
 
 
 def _check_argument_state(leaves: list[Any], copied: list[int]) -> None:

@@ -62,7 +62,14 @@ def gradients(graph: Trained, leaves: list[Any], grads: tuple[Any, ...]
     if not pairs:
         return [None] * len(inputs)
     outs, wanted = zip(*pairs)  # outputs the loss does not use give no gradient
-    return gradgraph.grad_of(list(outs), inputs, list(wanted), create_graph=True)
+    # a tensor passed as an argument and also held as state (``functional_call`` with a
+    # module's own parameter) takes its gradient once: autograd adds what the backward
+    # returns for each of its places
+    place = {id(t): k for k, t in reversed(list(enumerate(inputs)))}
+    unique = [t for k, t in enumerate(inputs) if place[id(t)] == k]
+    got = dict(zip([id(t) for t in unique],
+                   gradgraph.grad_of(list(outs), unique, list(wanted), create_graph=True)))
+    return [got[id(t)] if place[id(t)] == k else None for k, t in enumerate(inputs)]
 
 
 Rebuild = Callable[[list[Any]], tuple[tuple[Any, ...], dict[str, Any]]]

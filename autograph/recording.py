@@ -46,17 +46,27 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
     options = engine.options
     timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
     engine.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
-    with lifecycle.CAPTURE_LOCK, engine.profiler_range("warmup"):
+    with lifecycle.capture_turn() as turn, engine.profiler_range("warmup"):
+        if not turn:  # counted as a warmup above
+            return engine.eager(*flat.call())
         trains = _trains(engine, key, entry, flat)
         run_warm = training.warm if trains else lifecycle.warm
+        timeouts = lifecycle.lock_timeouts()
         warmed = run_warm(engine.fn, flat, backend, device, engine.watch,
                           learn=entry.runs == 0, timed=timed)
+        if lifecycle.lock_timeouts() != timeouts and warmed.problem is None:
+            warmed.problem = Uncapturable(EagerReason.CAPTURE_FAILED,
+                                          lifecycle.WAITS_ON_THREADS)
     if (trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out)
             and not flat.requires_grad()):
         # nothing autograd recorded leaves the call (and no argument gets a .grad,
         # which a static buffer standing in for it would take): one plain graph
         entry.contained = True
     if warmed.problem is not None:  # the call ran; graphs would get it wrong
+        if isinstance(warmed.problem, training.HooksPresent):
+            # eager while hooked, learning again at the next call (a hook removed)
+            engine.stats.reclassify(warmed.problem.reason, warmed.problem.detail)
+            return warmed.out
         if lifecycle.changed_once(warmed.problem) and not entry.assigned_once:
             entry.assigned_once = True  # a global set once (a lazy set-up): learn again
             return warmed.out
@@ -100,7 +110,10 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
              device: torch.device) -> Any:
     """Capture the call, replay it once for its result, and keep the graph."""
     stats = engine.stats
-    with lifecycle.CAPTURE_LOCK:
+    with lifecycle.capture_turn() as turn:
+        if not turn:
+            stats.count_eager(EagerReason.WARMUP, lifecycle.LOCK_BUSY, warn=False)
+            return engine.eager(*flat.call())
         if entry.run is not None:  # another thread captured it meanwhile
             return engine.replay_entry(entry, entry.run, flat)
         if entry.state is State.EAGER:  # another thread gave up on it meanwhile

@@ -109,6 +109,26 @@ class Stats:
                 text = f"{reason.message}: {detail}" if detail else reason.message
                 logger.warning("%s: running eagerly [%s]: %s", self.name, value, text)
 
+    def reclassify(self, reason: EagerReason, detail: str = "") -> None:
+        """The call just counted as a warmup ran eagerly for ``reason`` instead (its
+        warmup found it: module backward hooks, which it learns again next call)."""
+        warmup = EagerReason.WARMUP._value_
+        if self.eager_reasons.get(warmup, 0) <= 0:
+            return
+        self.eager_reasons[warmup] -= 1
+        if not self.eager_reasons[warmup]:
+            del self.eager_reasons[warmup]
+        value = reason._value_  # counted as count_eager does; a region was told already
+        self.eager_reasons[value] += 1
+        self.last_reason = reason
+        if detail:
+            details = self.eager_details.setdefault(value, {})
+            details[detail] = details.get(detail, 0) + 1
+        if (value, detail) not in self._warned and len(self._warned) < 256:
+            self._warned.add((value, detail))
+            logger.warning("%s: running eagerly [%s]: %s: %s", self.name, value,
+                           reason.message, detail)
+
     def count_replay(self) -> None:
         self.replays += 1
         if _observers:

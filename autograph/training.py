@@ -60,7 +60,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     if problem is None:
         why = hooks[0] if hooks else backward_hooks(watch)
         if why:
-            problem = Uncapturable(UNSUPPORTED, why)
+            problem = Uncapturable(UNSUPPORTED, why) if hooks else HooksPresent(UNSUPPORTED, why)
     warmed.problem = problem
     return warmed
 
@@ -100,6 +100,11 @@ def _spying(fn: Callable[..., Any], found: list[str], inner: list[str]
             torch.autograd.backward, torch.autograd.grad = backward, grad
 
     return call
+
+
+class HooksPresent(Uncapturable):
+    """Module backward hooks are registered now: the call runs eagerly while they are,
+    and warms up again on its next call (a removed hook gives the graphs back)."""
 
 
 def backward_hooks(watch: Watch) -> str | None:

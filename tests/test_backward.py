@@ -1789,3 +1789,51 @@ def check_chunked_outputs_of_a_pending_call(device: str = "cpu") -> None:
 
 def test_chunked_outputs_of_a_pending_call():
     check_chunked_outputs_of_a_pending_call()
+
+
+_DOUBLED = torch.nn.Linear(3, 3)
+
+
+def _scaled_by_own_bias(x, scale):
+    return torch.tanh(_DOUBLED(x)) * scale
+
+
+def test_create_graph_gradient_of_a_parameter_also_passed_as_an_argument(standin):
+    """``torch.autograd.grad(..., create_graph=True)`` through a call given one of its
+    module's parameters as an argument too doubled that parameter's gradient on the
+    capture call (its gradient was returned for both of its places)."""
+    torch.manual_seed(0)
+    g = autograph.graphed(_scaled_by_own_bias)
+    for _ in range(4):
+        x = torch.randn(5, 3, requires_grad=True)
+        got = []
+        for fn in (_scaled_by_own_bias, g):
+            y = fn(x, _DOUBLED.bias)
+            gx, gb = torch.autograd.grad(y.sum(), [x, _DOUBLED.bias], create_graph=True)
+            got.append((gx.detach(), gb.detach()))
+        torch.testing.assert_close(got[1], got[0])
+    assert autograph.stats(g)["captures"] >= 1, autograph.stats(g)
+
+
+def test_a_removed_backward_hook_gives_the_graphs_back(standin):
+    """A module backward hook made training calls eager for good: once removed, they
+    stayed eager until ``reset()``.  They run eagerly while it is registered and graph
+    again once it is removed."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model)
+    seen = []
+    handle = model[0].register_full_backward_hook(lambda m, gi, go: seen.append(1))
+    for step in range(10):
+        if step == 4:
+            handle.remove()
+        x = torch.randn(4, 8)
+        g(x).sum().backward()
+        twin(x).sum().backward()
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    assert len(seen) == 4
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)

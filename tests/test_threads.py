@@ -245,3 +245,39 @@ def test_a_reset_during_a_capture_leaves_no_graph_counted(standin):
         for _ in range(4):
             torch.testing.assert_close(g(x), torch.tanh(net.lin(x)))
     assert autograph.stats(g)["replays"] >= 1
+
+
+def test_a_call_waiting_on_a_worker_threads_graphed_call_does_not_hang(standin, monkeypatch):
+    """A graphed call whose Python hands a graphed branch to a thread pool and waits
+    for it hung on its first call: its warmup held the capture lock the worker's warmup
+    waited for.  The worker runs eagerly after ``LOCK_WAIT``, the waiting call is
+    given up (eager), and the branch graphs in the worker from then on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from autograph import lifecycle
+
+    monkeypatch.setattr(lifecycle, "LOCK_WAIT", 0.2)
+    lin = torch.nn.Linear(4, 4)
+    branch = autograph.graphed(lin)
+    with ThreadPoolExecutor(1) as pool:
+        def step(x):
+            return torch.relu(x) + pool.submit(branch, x).result()
+
+        g = autograph.graphed(step)
+        done = threading.Event()
+        failures = []
+
+        def calls():
+            try:
+                with torch.no_grad():
+                    for _ in range(8):
+                        x = torch.randn(2, 4)
+                        torch.testing.assert_close(g(x), torch.relu(x) + lin(x))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+            done.set()
+
+        threading.Thread(target=calls, daemon=True).start()
+        assert done.wait(60), "the graphed call hung"
+    assert not failures, failures
+    assert autograph.stats(branch)["replays"] >= 2, autograph.stats(branch)

@@ -283,7 +283,7 @@ class Trained(replay.Captured):
             for view in views:
                 flat[view.position] = view.of(outs[view.base])
             if spliced is not None:
-                flat = spliced.regroup(flat)
+                flat = spliced.regroup(flat, leaves)
             return pytree.tree_unflatten(flat, spec)
 
         flags_list = list(self.flags)

@@ -192,7 +192,8 @@ def output_builder(
     # objects the call made (a DynamicCache): their tensors stand in their place among
     # the outputs, and each call makes the object again around them (returned.py)
     try:
-        spliced = Spliced.find(flat, objects, known, lambda: containers_of(output))
+        spliced = Spliced.find(flat, objects, known, lambda: containers_of(output),
+                               lambda: leaves)
     except Refused as refused:
         raise Uncapturable(EagerReason.OUTPUT, f"output of type "
                            f"{type(refused.value).__qualname__} cannot be made again by a "
@@ -257,7 +258,7 @@ def _with_objects(spec: Any, makers: list[Callable[[list[Any]], Any]], shared: l
         return made
 
     def build(call_leaves: list[Any]) -> Any:
-        return pytree.tree_unflatten(spliced.regroup(flat(call_leaves)), spec)
+        return pytree.tree_unflatten(spliced.regroup(flat(call_leaves), call_leaves), spec)
 
     build.pool_outputs = pool_outputs  # type: ignore[attr-defined]
     # a training graph's Function returns the tensors; it makes the objects after it

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -52,19 +52,22 @@ class Spliced:
     @staticmethod
     def find(flat: list[Any], skip: Any = (),
              known: Callable[[], Iterable[Any]] = tuple,
-             outside: Callable[[], Any] = tuple) -> Spliced | None:
+             outside: Callable[[], Any] = tuple,
+             leaves: Callable[[], Sequence[Any]] = tuple
+             ) -> Spliced | None:
         """The objects among ``flat`` (none whose id is in ``skip``: object arguments
         returned as they are), walked, or None if there is none.  ``known()``: values
         that existed before the call (returned as themselves, with what they reach);
         ``outside()``: the output's containers outside the objects (pytree's: reached
         from inside an object, the key runs eagerly); both asked for only where a leaf
-        may be an object.  Raises :class:`Refused` where an object cannot be made
-        again."""
+        may be an object; ``leaves()``: the call's flat leaves (an object argument held
+        by a returned object is the next call's own, as eager returns it).  Raises
+        :class:`Refused` where an object cannot be made again."""
         candidates = [k for k, value in enumerate(flat) if id(value) not in skip
                       and not isinstance(value, (torch.Tensor, *_ATOMS))]
         if not candidates:
             return None
-        walk = _Walk(known(), outside())
+        walk = _Walk(known(), outside(), leaves())
         spans = []
         for k in candidates:
             value = flat[k]
@@ -87,9 +90,10 @@ class Spliced:
             at = k + 1
         return out + flat[at:]
 
-    def regroup(self, made: list[Any]) -> list[Any]:
+    def regroup(self, made: list[Any], leaves: Any = ()) -> list[Any]:
         """The leaves of an output spliced so, each object made again around its
-        tensors (each part once per call), in pytree's order."""
+        tensors (each part once per call; the call's arguments, ``leaves``, where the
+        capture's were), in pytree's order."""
         tensors: list[Any] = []
         out: list[Any] = []
         at = 0  # in ``made``
@@ -105,10 +109,10 @@ class Spliced:
         out += made[at:]
         built: list[Any] = [_UNMADE] * len(self._nodes)
         for k, root, _, _ in self.spans:
-            out[k] = self._make(root, tensors, built)
+            out[k] = self._make(root, tensors, built, leaves)
         return out
 
-    def _make(self, k: int, tensors: list[Any], made: list[Any]) -> Any:
+    def _make(self, k: int, tensors: list[Any], made: list[Any], leaves: Any) -> Any:
         if made[k] is not _UNMADE:
             return made[k]
         node = self._nodes[k]
@@ -117,23 +121,25 @@ class Spliced:
             out = tensors[node[1]]
         elif kind == "atom":
             out = node[1]
+        elif kind == "leaf":
+            out = leaves[node[1]]
         elif kind == "list":
             out = made[k] = []
-            out.extend(self._make(c, tensors, made) for c in node[2])
+            out.extend(self._make(c, tensors, made, leaves) for c in node[2])
         elif kind == "dict":
             out = made[k] = {}
-            out.update((self._make(a, tensors, made), self._make(b, tensors, made))
-                       for a, b in node[2])
+            out.update((self._make(a, tensors, made, leaves),
+                        self._make(b, tensors, made, leaves)) for a, b in node[2])
         elif kind == "tuple":
-            items = [self._make(c, tensors, made) for c in node[2]]
+            items = [self._make(c, tensors, made, leaves) for c in node[2]]
             out = tuple(items) if node[1] is tuple else node[1](*items)
         else:  # an object: made first (a cycle back to it finds it), then filled
             cls, names, slots = node[1], node[2], node[3]
             out = made[k] = cls.__new__(cls)
             if names:
-                vars(out).update((n, self._make(c, tensors, made)) for n, c in names)
+                vars(out).update((n, self._make(c, tensors, made, leaves)) for n, c in names)
             for n, c in slots:
-                object.__setattr__(out, n, self._make(c, tensors, made))
+                object.__setattr__(out, n, self._make(c, tensors, made, leaves))
         made[k] = out
         return out
 
@@ -150,12 +156,16 @@ class Refused(Exception):
 class _Walk:
     """Numbers every value reachable from the returned objects once (by identity)."""
 
-    def __init__(self, known: Iterable[Any], outside: Any) -> None:
+    def __init__(self, known: Iterable[Any], outside: Any, leaves: Sequence[Any] = ()
+                 ) -> None:
         self.nodes: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.ids: dict[int, int] = {}
         self.known = reachable(known)
         self.outside = outside
+        # the call's own leaves (by id: their position), which a replay takes from the
+        # call it makes
+        self.leaves = {id(v): i for i, v in enumerate(leaves) if not isinstance(v, _ATOMS)}
         self.why = ""
 
     def is_known(self, value: Any) -> bool:
@@ -184,7 +194,11 @@ class _Walk:
         return None
 
     def _describe(self, value: Any) -> Any:
-        if id(value) in self.known or isinstance(value, _ATOMS):
+        if isinstance(value, _ATOMS):
+            return ("atom", value)
+        if id(value) in self.leaves:
+            return ("leaf", self.leaves[id(value)])
+        if id(value) in self.known:
             return ("atom", value)  # made before the call, or a constant: itself
         if id(value) in self.outside:
             return self._refuse("a container the output also holds outside the object")
@@ -329,3 +343,4 @@ def opened(leaves: list[Any]) -> list[Any]:
         found = open_leaf(leaf)
         out.extend(found if found is not None else [leaf])
     return out
+

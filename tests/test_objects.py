@@ -927,3 +927,44 @@ def check_a_cache_moved_every_call_runs_eagerly_without_giving_up(device="cpu"):
 
 def test_a_cache_moved_every_call_runs_eagerly_without_giving_up():
     check_a_cache_moved_every_call_runs_eagerly_without_giving_up()
+
+
+class _Request:
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class _Answer:
+    def __init__(self, value, request):
+        self.value, self.request = value, request
+
+
+def _answer(x, request):
+    return _Answer(x * request.scale, request)
+
+
+def check_an_argument_object_inside_a_returned_object_is_the_calls_own(device="cpu"):
+    """An object argument held by an object the call returns came back as the capture
+    call's object (its old values, kept alive) on every replay; eager returns the
+    caller's own."""
+    import gc
+    import weakref
+
+    g = autograph.graphed(_answer)
+    first = None
+    with torch.no_grad():
+        for _ in range(6):
+            request = _Request(2.0)
+            first = first or weakref.ref(request)
+            x = torch.randn(3, device=device)
+            got = g(x, request)
+            assert got.request is request
+            torch.testing.assert_close(got.value, x * request.scale)
+    del got, request
+    gc.collect()
+    assert first() is None, "a replay keeps the capture call's argument alive"
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_an_argument_object_inside_a_returned_object_is_the_calls_own(standin):
+    check_an_argument_object_inside_a_returned_object_is_the_calls_own()

@@ -55,6 +55,7 @@ from ..test_objects import (
     check_a_cache_moved_every_call_runs_eagerly_without_giving_up,
     check_a_forward_returning_a_dynamic_cache,
     check_a_graphed_sentence_transformer_fills_the_callers_features,
+    check_an_argument_object_inside_a_returned_object_is_the_calls_own,
     check_argument_that_is_an_objects_tensor,
     check_output_that_is_an_objects_tensor,
     check_training_a_model_that_returns_a_dynamic_cache,
@@ -392,3 +393,7 @@ def test_function_modes_are_keyed():
 
 def test_whole_steps_see_frozen_layers_and_loaded_optimizer_state():
     check_whole_steps_see_frozen_layers_and_loaded_optimizer_state("cuda")
+
+
+def test_an_argument_object_inside_a_returned_object_is_the_calls_own():
+    check_an_argument_object_inside_a_returned_object_is_the_calls_own("cuda")

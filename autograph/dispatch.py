@@ -51,6 +51,12 @@ GIVE_UP_FRESH_KEYS = 64
 MOVED = "its arguments' addresses moved and the last ones never replayed"
 
 
+def argument_kinds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The types of a call's arguments, keywords by name: what tells a new kind of
+    call (a ``StaticCache`` where a ``DynamicCache`` was) from more of the same."""
+    return (tuple(map(type, args)), tuple((k, type(v)) for k, v in kwargs.items()))
+
+
 class Engine:
     """Graphs of one callable (a function, or one module instance's forward).
 
@@ -94,6 +100,9 @@ class Engine:
         every = options.verify_every
         self.verify_every = every if every is not None else every_from_env()
         self.given_up: str | None = None  # why this callable stopped trying, if it did
+        # the kinds of arguments of the calls that made it stop (``argument_kinds``):
+        # calls of other kinds (a generate switched to a static cache) try again
+        self._given_up_kinds: Any = None
         self.failures = 0  # keys given up after a failed capture
         self._fresh = 0  # new keys since the last replay
 
@@ -124,8 +133,11 @@ class Engine:
             return self.fn(*args, **kwargs)
         if self.ranks is None:  # the cheap eager paths: no key needed to know
             if self.given_up is not None:
-                self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
-                return self.fn(*args, **kwargs)
+                kinds = self._given_up_kinds
+                if kinds is None or argument_kinds(args, kwargs) == kinds:
+                    self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
+                    return self.fn(*args, **kwargs)
+                self.given_up, self._given_up_kinds, self._fresh = None, None, 0
             watch = self.watch
             if _grad_enabled() and not watch.stale and not self.trains \
                     and watch.requires_grad():
@@ -250,6 +262,7 @@ class Engine:
         self._fresh += 1
         if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
             self.give_up_all(f"{self._fresh} new keys in a row without a replay")
+            self._given_up_kinds = argument_kinds(args, kwargs)
         return entry
 
     def give_up_all(self, why: str) -> None:
@@ -296,7 +309,7 @@ class Engine:
         graphs again if this callable had stopped trying); ``cache.clear``."""
         self.cache.clear(keep_known)
         self.watch.stale = True
-        self.given_up = None
+        self.given_up = self._given_up_kinds = None
         self.failures = self._fresh = 0
 
     def invalidate(self) -> None:

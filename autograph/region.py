@@ -268,10 +268,11 @@ def _handle_for(module: nn.Module) -> Handle:
         return item[1]
     key = id(module)
 
-    def forget(ref: weakref.ref[nn.Module]) -> None:
-        current = _handles.get(key)
+    def forget(ref: weakref.ref[nn.Module], handles: dict[int, Any] = _handles) -> None:
+        # (``handles`` bound now: at interpreter exit the module global may be None)
+        current = handles.get(key)
         if current is not None and current[0] is ref:
-            del _handles[key]
+            del handles[key]
             current[1].engine.watch.close()
 
     ref = weakref.ref(module, forget)

@@ -42,3 +42,22 @@ def test_captures_that_keep_failing_stop_trying(standin):
     assert s["eager_reasons"]["capture_failed"] == GIVE_UP_FAILURES
     assert s["eager_reasons"]["given_up"] == 5
     assert s["calls"] == s["eager"]
+
+
+def test_calls_of_another_kind_try_again_after_giving_up(standin):
+    """A callable that gave up after new keys in a row (a default-cache ``generate``)
+    ran every later call eagerly, also calls of another kind of arguments (the same
+    model's static-cache ``generate``): those try graphs again."""
+    def f(x, n):
+        return x * n
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for n in range(70):  # a new key every call
+            g(torch.ones(2), n)
+        assert autograph.stats(g)["eager_reasons"].get("given_up")
+        for _ in range(6):
+            x, n = torch.randn(2), torch.tensor(3.0)
+            torch.testing.assert_close(g(x, n), x * n)
+        g(torch.ones(2), 71)  # the kind that gave up: eager again
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)

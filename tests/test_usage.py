@@ -2718,3 +2718,48 @@ def test_the_memory_parts_of_sparse_outputs_are_found():
                                                          x.to_sparse()._values().shape]
     assert len(_parts(x.to_sparse_csr())) == 3
     assert _parts(torch.nested.as_nested_tensor([x, x[:2]])) == []  # no parts: skipped
+
+
+def test_a_call_leaving_a_flag_changed_runs_once_per_call(standin):
+    """A function that sets a process-wide flag and leaves it set (the caller puts it
+    back between calls) was captured, dropped ("the modes changed while it was
+    captured") and run again on every call: its Python ran twice per call.  It runs
+    eagerly, once per call, with a reason."""
+    runs = []
+
+    def f(x):
+        runs.append(1)
+        torch.set_float32_matmul_precision("high")
+        return x @ x
+
+    g = autograph.graphed(f)
+    try:
+        with torch.no_grad():
+            for i in range(8):
+                torch.set_float32_matmul_precision("highest")
+                x = torch.randn(3, 3)
+                torch.testing.assert_close(g(x), x @ x)
+                assert len(runs) == i + 1
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    s = autograph.stats(g)
+    assert s["captures"] == 0 and s["eager_reasons"].get("assigns_attribute"), s
+
+
+def test_forward_called_directly_on_the_wrapper(standin):
+    """``graphed(model).forward(x)`` (sentence-transformers calls its backbone so) ran
+    eagerly and was counted nowhere: it is graphed, and with a forward hook registered
+    it is the module's own forward (a direct call skips hooks, as in eager mode)."""
+    lin = nn.Linear(4, 3)
+    g = autograph.graphed(lin)
+    seen = []
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g.forward(x), lin(x))
+        handle = lin.register_forward_hook(lambda m, i, o: seen.append(1))
+        torch.testing.assert_close(g.forward(x), lin.forward(x))
+        handle.remove()
+    assert not seen
+    s = autograph.stats(g)
+    assert s["replays"] >= 2 and s["calls"] == 5, s

@@ -195,7 +195,9 @@ def capture_next(trained: Any) -> None:
     backward asked for (``want_backward``: its set of used outputs).  Forward calls do
     not look for held gradients themselves: that would cost every call a use-count
     pass."""
-    with lifecycle.CAPTURE_LOCK:
+    with lifecycle.capture_turn(wait=0) as turn:
+        if not turn:  # another thread is capturing (it may wait on this one): next call
+            return
         wanted: Backwards | None = trained.want_backward
         trained.want_backward = None
         if wanted is None or not wanted.due():

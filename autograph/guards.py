@@ -313,6 +313,8 @@ class Watch:
         """Put back what the running call assigned (a capture that failed: its Python
         ran, and what it set, tensors of the pool, must not reach the eager run)."""
         for module, name, was in reversed(self.assignments):
+            if was is notify.CHANGED:
+                continue  # changed in place: what it held is not known
             if was is notify.MISSING:
                 _DELATTR(module, name)
             else:

@@ -20,6 +20,7 @@ import random
 import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,33 +47,46 @@ CAPTURE_LOCK = threading.RLock()
 # How long a warmup or capture waits for another thread's: a call whose Python waits on
 # a worker thread that calls a graphed callable (a branch in a thread pool) holds the
 # lock while the worker waits for it; past this the worker runs eagerly instead
-LOCK_WAIT = 2.0
+LOCK_WAIT = 10.0
 LOCK_BUSY = "another thread was warming up or capturing (its call may wait on this one)"
 WAITS_ON_THREADS = ("the call waits on another thread's graphed call (a worker thread), "
                     "which cannot warm up while this one does")
-_timeouts = [0]  # waits for the lock that ran out, process-wide
+_holder: list[int | None] = [None]  # the thread holding the lock through capture_turn
+_blamed: dict[int, int] = {}  # per thread: waits for the lock it held that ran out
 
 
 def lock_timeouts() -> int:
-    """How many waits for ``CAPTURE_LOCK`` ran out so far: one that runs out during a
-    call's warmup shows that call waiting on another thread's graphed call."""
-    return _timeouts[0]
+    """How many waits for ``CAPTURE_LOCK`` held by this thread ran out: one that runs
+    out during a call's warmup shows that call waiting on another thread's graphed
+    call (or warming up for longer than ``LOCK_WAIT``)."""
+    return _blamed.get(threading.get_ident(), 0)
 
 
 class capture_turn:  # noqa: N801 - used like a function
-    """``CAPTURE_LOCK``, waited for at most ``LOCK_WAIT`` seconds: entered, it says
-    whether this thread holds it (if not, run the call eagerly)."""
+    """``CAPTURE_LOCK``, waited for at most ``LOCK_WAIT`` seconds (``wait``: another
+    bound; 0 tries once, for work that can wait for a later call): entered, it says
+    whether this thread holds it (if not, run the call eagerly, or skip the work)."""
 
-    __slots__ = ("held",)
+    __slots__ = ("held", "wait", "before")
+
+    def __init__(self, wait: float | None = None) -> None:
+        self.wait = wait
+        self.held = False
+        self.before: int | None = None
 
     def __enter__(self) -> bool:
-        self.held = CAPTURE_LOCK.acquire(timeout=LOCK_WAIT)
-        if not self.held:
-            _timeouts[0] += 1
+        wait = LOCK_WAIT if self.wait is None else self.wait
+        self.held = CAPTURE_LOCK.acquire(timeout=wait) if wait > 0 \
+            else CAPTURE_LOCK.acquire(blocking=False)
+        if self.held:
+            self.before, _holder[0] = _holder[0], threading.get_ident()
+        elif self.wait is None and (holder := _holder[0]) is not None:
+            _blamed[holder] = _blamed.get(holder, 0) + 1
         return self.held
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
+            _holder[0] = self.before
             CAPTURE_LOCK.release()
 
 # Exceptions that a failed capture raises (torch's own, and the CPU stand-in's
@@ -364,7 +378,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         backend = OnPool(backend, backend.private_pool(device))
     leaves = list(flat.leaves)
     copied = [i for i in flat.tensor_pos if i not in inplace]
-    _check_argument_state(leaves, copied)
+    reads_grad = _reads_grad(fn, watch)
+    _check_argument_state(leaves, copied, reads_grad)
     static = StaticInputs(leaves, copied)
     _show_requires_grad(static, leaves)
     substituted = static.substitute(leaves)
@@ -420,8 +435,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check(watch, [], host, device)
     _check_held(held, restore=True)
     _check_objects(flat)
-    # (a warmup's changes reach the caller's tensors; autograd's, under grad mode, are
-    # the training graph's to make)
+    # (a warmup's changes reach the caller's tensors; under grad mode a training
+    # capture gives its buffers requires_grad itself)
     _check_geometry(substituted, flat.tensor_pos, shapes, flags=not torch.is_grad_enabled())
     syncs = containers.changes(snap, out) if snap else ()
     if watch.refs_assigned(refs):
@@ -442,8 +457,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
-    grads_of = [*stepped.parameters(), *_grads_read(recorder.hidden.values(), [
-        *watch.tensors(), *(leaves[i] for i in inplace)])]
+    owners = [*watch.tensors(), *(leaves[i] for i in inplace)]
+    grads_of = [*stepped.parameters(), *(
+        [t for t in owners if t.is_leaf and t.requires_grad] if reads_grad
+        else _grads_read(recorder.hidden.values(), owners))]
     captured = Captured(graph, static, build, backend, device, recorder.seeded,
                         list(recorder.hidden.values()), state_written, inplace, reuse)
     captured.footprint = needs
@@ -462,30 +479,44 @@ FLAGS_CHANGED = ("a process-wide mode or numerics flag (matmul precision, the de
                  "dtype, grad mode) that it leaves changed")
 
 
-def _check_argument_state(leaves: list[Any], copied: list[int]) -> None:
-    """What a static buffer cannot stand in for: a tensor argument with a ``.grad``
-    (a gradient-clipping or optimizer helper reads it: captured in place, by address,
-    its ``.grad`` guarded) or with Python attributes (``x.scale``, not keyed)."""
-    graded = {i for i in copied if _grad(leaves[i]) is not None} \
-        if not torch.is_grad_enabled() else None
+def _check_argument_state(leaves: list[Any], copied: list[int], reads_grad: bool) -> None:
+    """What a static buffer cannot stand in for: a tensor argument with a ``.grad``, or
+    one that could have one where the code names ``.grad`` (a gradient-clipping or
+    optimizer helper reads it): captured in place, by address, its ``.grad`` guarded."""
+    if torch.is_grad_enabled():  # a training capture: its inputs' .grad is autograd's
+        return
+    graded = {i for i in copied if _grad(leaves[i]) is not None
+              or (reads_grad and leaves[i].requires_grad and leaves[i].is_leaf)}
     if graded:
         raise WritesFound(graded)
-    for i in copied:
-        if leaves[i].__dict__:
-            raise Uncapturable(EagerReason.UNKEYABLE, f"tensor argument {i} carries Python "
-                               f"attributes ({next(iter(leaves[i].__dict__))}), which a graph "
-                               f"would keep")
 
 
 def _show_requires_grad(static: StaticInputs, leaves: list[Any]) -> None:
     """Give the static buffers their arguments' ``requires_grad`` where autograd records
-    nothing (``[p for p in params if p.requires_grad]`` under ``no_grad``); the key
-    holds the flag, so every call of the graph passes the same."""
-    if torch.is_grad_enabled():
-        return
+    nothing (``[p for p in params if p.requires_grad]`` under ``no_grad``; the key
+    holds the flag, so every call of the graph passes the same) and their Python
+    attributes (``_is_hf_initialized`` on a loaded weight; read at capture, not keyed)."""
+    grad_off = not torch.is_grad_enabled()
     for i, buf in zip(static.positions, static.buffers):
-        if leaves[i].requires_grad and not buf.requires_grad and buf.is_leaf:
+        if grad_off and leaves[i].requires_grad and not buf.requires_grad and buf.is_leaf:
             buf.requires_grad_(True)
+        if leaves[i].__dict__ and not buf.__dict__:
+            buf.__dict__.update(leaves[i].__dict__)
+
+
+def _reads_grad(fn: Callable[..., Any], watch: Watch) -> bool:
+    """Whether the function's code or a watched module's ``forward`` names ``.grad``
+    (``if w.grad is not None``): then every parameter's and pinned argument's ``.grad``,
+    None included, is guarded, not only those a graph read."""
+    codes = [getattr(getattr(fn, "__func__", fn), "__code__", None)]
+    codes += [getattr(getattr(type(m), "forward", None), "__code__", None)
+              for m in watch.every_module()]
+    return any(code is not None and _names(code, "grad") for code in codes)
+
+
+def _names(code: types.CodeType, name: str) -> bool:
+    return name in code.co_names or any(
+        isinstance(c, types.CodeType) and _names(c, name) for c in code.co_consts)
 
 
 def _grads_read(hidden: Any, owners: list[torch.Tensor]) -> list[torch.Tensor]:

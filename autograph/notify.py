@@ -37,6 +37,7 @@ _installed = False
 
 RECHECK = "hooks registered since the last check"
 MISSING = _MISSING
+CHANGED = object()  # what a container held before a change in place: not known
 
 
 def current(module: nn.Module, name: str) -> Any:
@@ -117,7 +118,7 @@ def _wrap_container(owner: Any, name: str) -> None:
     def changed(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         if id(self) in watched:
-            _notify(self, "_modules")
+            _notify(self, "_modules", changed=True)
         return out
 
     setattr(owner, name, changed)
@@ -160,11 +161,15 @@ def script_assigns(modules: Any) -> str | None:
     return None
 
 
-def _notify(module: nn.Module, name: str, value: Any = _MISSING) -> None:
+def _notify(module: nn.Module, name: str, value: Any = _MISSING, changed: bool = False
+            ) -> None:
+    """Tell the watches of ``module`` that ``name`` is set to ``value`` (or deleted);
+    ``changed``: reported after the change, in place (a container's ``insert``), so no
+    value before it is known."""
     ws = watched.get(id(module))
     if ws:
         swap = value is not _MISSING and _swap(module, name, value)
-        was = current(module, name)
+        was = CHANGED if changed else current(module, name)
         for watch in list(ws):
             watch._on_assign(module, name, swap, was)
 

@@ -30,7 +30,7 @@ import torch
 from .buffers import _overlaps, _same_values
 from .flat import Flat
 from .guards import Watch
-from .lifecycle import CAPTURE_LOCK, call_scope
+from .lifecycle import call_scope, capture_turn
 from .replay import Captured, Holder, refcount, use_count
 from .vocab import EagerReason, Uncapturable, logger
 
@@ -57,24 +57,23 @@ class Rotation:
     may still be captured.  ``armed`` is set by the first replay (keys replayed once
     never pay for a variant)."""
 
-    __slots__ = ("slots", "room", "armed", "_capture", "_agrees", "_lock", "nbytes")
+    __slots__ = ("slots", "room", "armed", "_capture", "_agrees", "nbytes")
 
     def __init__(self, capture: Callable[[], Slot], agrees: Callable[[Slot], bool],
-                 lock: Any, nbytes: int) -> None:
+                 nbytes: int) -> None:
         self.slots: tuple[Slot, ...] = ()
         self.room = True
         self.armed = False
         self._capture = capture
         self._agrees = agrees  # whether a new variant gives what the key's graph gives
-        self._lock = lock  # the engines' capture lock
         self.nbytes = nbytes  # what all variants together may hold: outputs and buffers
 
     def grow(self) -> None:
         """Capture one more variant (under the capture lock), or end the rotation if it
         cannot be captured or does not give what the key's graph gives."""
-        with self._lock:
-            if not self.room:
-                return  # another thread grew it meanwhile
+        with capture_turn(wait=0) as turn:  # busy: a later call grows it (the holder
+            if not turn or not self.room:  # may wait on this thread: never block here)
+                return  # (or another thread grew it meanwhile)
             try:
                 slot = self._capture()
                 same = self._agrees(slot)
@@ -177,4 +176,4 @@ def rotate(captured: Captured, fn: Callable[..., Any], flat: Flat, watch: Watch,
             return _same_values(single, slot.buffer)
 
     nbytes = 2 * SLOTS * single.numel() * single.element_size()  # outputs and buffers
-    captured.rotation = Rotation(capture_variant, agrees, CAPTURE_LOCK, nbytes)
+    captured.rotation = Rotation(capture_variant, agrees, nbytes)

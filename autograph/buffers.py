@@ -64,8 +64,8 @@ class StaticInputs:
                 self._sources.append(i)
             self.buffers.append(buf)
         self._single = len(self._unique) == 1
-        # torch's batched copy refuses conjugate destinations: copied one by one then
-        self._batched = not any(b.is_conj() for b in self._unique)
+        # torch's batched copy refuses conjugate and negative destinations: one by one
+        self._batched = not any(b.is_conj() or b.is_neg() for b in self._unique)
 
     def substitute(self, leaves: list[Any]) -> list[Any]:
         """The leaves with the static buffers in place of the copied arguments."""

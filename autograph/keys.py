@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from . import containers
 from .flat import BY_VALUE, FLAT, Flat, size_leaf, spec_key, unopened
 from .memo import KeyMemo
+from .modes import USER_MODE
 from .objects import (
     ObjectKey,
     Walked,
@@ -141,6 +142,14 @@ class GraphKey(NamedTuple):
 
 
 
+def _checked(modes: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``modes``, or :class:`Uncapturable` where a user's function mode is active
+    (the last part: ``modes.function_modes``)."""
+    if modes[-1] and USER_MODE in modes[-1]:
+        raise Uncapturable(EagerReason.UNKEYABLE, USER_MODE)
+    return modes
+
+
 def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training: Any,
              memo: KeyMemo | None = None) -> tuple[GraphKey, Flat, torch.device]:
     """Key a call: ``(key, flat arguments, the tensors' one device)``.
@@ -154,8 +163,8 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
         known = memo.find(args)
         if known is not None:
             aliases = _aliases(args, known.tensor_pos) if known.n > 1 else ()
-            key = _new(GraphKey, (known.n, known.parts, aliases, modes(known.device),
-                                  training(), ()))
+            key = _new(GraphKey, (known.n, known.parts, aliases,
+                                  _checked(modes(known.device)), training(), ()))
             return key, Flat(args, known.n, (), None, known.tensor_pos), known.device
     if not kwargs and all(map(FLAT, map(type, args))):
         leaves: Any = args
@@ -186,7 +195,7 @@ def key_call(args: tuple[Any, ...], kwargs: dict[str, Any], modes: Any, training
         if containers.shared(args, kwargs):
             raise Uncapturable(EagerReason.UNKEYABLE, "one dict or list passed more than once")
         flat.original = (args, kwargs)
-    key = _new(GraphKey, (structure, parts, aliases, modes(device), training(), ()))
+    key = _new(GraphKey, (structure, parts, aliases, _checked(modes(device)), training(), ()))
     if objs:
         flat.objects = tuple((i, walked, parts[i], device) for i, walked in objs)
         if tensor_pos:
@@ -316,11 +325,13 @@ def leaf_key(x: Any) -> ValueKey:
     number = number_key(x)  # a complex, a NumPy scalar
     if number is not None:
         return _new(ValueKey, (type(x), number))
+    if type(x) is range or type(x) is slice:  # by their parts (slices hash from 3.12 on)
+        return _new(ValueKey, (type(x), tuple(leaf_key(v) for v in (x.start, x.stop, x.step))))
     if isinstance(x, _Tensor):
         raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
     raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {type(x).__qualname__} "
-                       "(only tensors, numbers, NumPy scalars, strings, None, dtypes and "
-                       "devices are keyed)")
+                       "(only tensors, numbers, NumPy scalars, strings, None, dtypes, "
+                       "devices, slices and ranges are keyed)")
 
 
 def _tensor_kind(x: torch.Tensor) -> str:

@@ -94,18 +94,23 @@ def function_modes() -> tuple[Any, ...]:
     ``set_default_device``, a user's ``TorchFunctionMode``): each decides what the
     Python of a call runs (a factory's device, a rounding the mode adds), so a graph
     captured under one replays it only under the same.  A device context by its
-    device, any other mode by its type and identity; () with none (one C call)."""
+    device, any other mode as :data:`USER_MODE` (eager); () with none (one C call)."""
     n = _stack_len()
     if not n or _stack_at is None:
         return ()
     return tuple(_mode_key(_stack_at(i)) for i in range(n))
 
 
+USER_MODE = "a TorchFunctionMode is active (its Python and state are not keyed)"
+
+
 def _mode_key(mode: Any) -> Any:
+    """A device context by its device; any other mode (a user's, whose state decides
+    what it does) as :data:`USER_MODE`, which makes the call run eagerly."""
     device = getattr(mode, "device", None)
     if type(mode).__name__ == "DeviceContext" and isinstance(device, torch.device):
         return (type(mode), device)
-    return (type(mode), id(mode))
+    return USER_MODE
 
 
 def _fastpath() -> Any:

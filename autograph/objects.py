@@ -89,7 +89,8 @@ class ObjectTensor(NamedTuple):
 
 def is_object(x: Any) -> bool:
     """Whether ``x`` is an object this module keys (not a tensor, not a value)."""
-    return not isinstance(x, (_Tensor, *VALUES, enum.Enum)) and number_key(x) is None
+    return (not isinstance(x, (_Tensor, *VALUES, enum.Enum, slice, range))
+            and number_key(x) is None)
 
 
 def object_key(x: Any) -> tuple[ObjectKey, Walked]:

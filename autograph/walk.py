@@ -85,11 +85,14 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
         return None
     if tx is float:
         return (float, x.hex())
-    if isinstance(x, VALUES) or isinstance(x, enum.Enum):
-        return (tx, x)
-    number = number_key(x)
+    number = number_key(x)  # before VALUES: ``np.float64`` is a float (keyed by bits)
     if number is not None:
         return number
+    if isinstance(x, VALUES) or isinstance(x, enum.Enum):
+        return (tx, x)
+    if tx is slice or tx is range:
+        return (tx, tuple(walk(v, walked, path, depth + 1, counter)
+                          for v in (x.start, x.stop, x.step)))
     if tx is list or tx is tuple:
         return ("seq", tx, tuple(walk(v, walked, f"{path}[{i}]", depth + 1, counter)
                                  for i, v in enumerate(x)))
@@ -115,7 +118,7 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
         where = f" (at {path})" if depth else ""
         raise Uncapturable(EagerReason.UNKEYABLE, f"argument of type {tx.__qualname__}{where} "
                            "(tensors, numbers, NumPy scalars, strings, None, dtypes, devices, "
-                           "containers "
+                           "slices, ranges, containers "
                            "and objects with attributes are keyed)")
     names = tuple(attrs)
     return ("attrs", names, tuple(walk(v, walked, f"{path}.{k}", depth + 1, counter)

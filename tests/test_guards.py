@@ -1062,3 +1062,96 @@ def test_non_leaf_arguments_raise_no_warning(standin):
             x = torch.randn(3, 4)
             torch.testing.assert_close(g(backbone(x)), head(backbone(x)))
     assert autograph.stats(g)["replays"] >= 1, autograph.stats(g)
+
+
+class _Calibrating(torch.nn.Module):
+    """Recalibrates a plain attribute whenever the batch size changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.n, self.scale = None, 1.0
+
+    def forward(self, x):
+        if self.n != x.shape[0]:
+            self.n = x.shape[0]
+            self.scale = 1.0 / float(x.abs().max())
+        return x * self.scale
+
+
+class _Growing(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Identity()])
+
+    def forward(self, x):
+        self.blocks.insert(0, torch.nn.Identity())
+        return x * len(self.blocks)
+
+
+def _reads_its_grad(w, x):
+    return x * w + w.grad if w.grad is not None else x * w
+
+
+def test_attributes_set_by_other_keys_and_containers_changed_in_place(standin):
+    """A warmup of one key that left a module attribute changed (a recalibration per
+    batch size) left the graphs of other keys replaying the old value; a forward
+    growing a ``ModuleList`` with ``insert`` was taken for no change (a set-and-reset
+    check compared the list's dict with itself)."""
+    import copy
+
+    for make, sizes in ((_Calibrating, [4] * 4 + [5] * 4 + [4] * 3), (_Growing, [3] * 6)):
+        m = make()
+        twin, g = copy.deepcopy(m), autograph.graphed(m)
+        with torch.no_grad():
+            for n in sizes:
+                x = torch.randn(n, 3)
+                torch.testing.assert_close(g(x), twin(x))
+
+
+def test_later_gradients_numpy_floats_in_objects_negative_views_and_attributes(standin):
+    """A ``.grad`` None at capture and set later was not seen (the code names
+    ``.grad``); ``np.float64(-0.0)`` inside an object argument shared 0.0's key; a
+    negative view next to another argument failed every replay (batched copies refuse
+    it); a tensor argument with a Python attribute (``_is_hf_initialized``) ran
+    eagerly."""
+    import numpy as np
+
+    g = autograph.graphed(_reads_its_grad)
+    w = torch.randn(3, requires_grad=True)
+    with torch.no_grad():
+        for i in range(7):
+            if i == 4:
+                w.grad = torch.ones(3)
+            x = torch.randn(3)
+            torch.testing.assert_close(g(w, x), _reads_its_grad(w, x))
+
+    class Cfg:
+        def __init__(self, sign):
+            self.sign = sign
+
+    signed = autograph.graphed(lambda t, cfg: torch.copysign(t, torch.tensor(cfg.sign)))
+    t = torch.rand(3) + 1
+    for i in range(7):
+        s = np.float64(0.0) if i < 4 else np.float64(-0.0)
+        torch.testing.assert_close(signed(t, Cfg(s)), torch.copysign(t, torch.tensor(s)))
+
+    h = autograph.graphed(lambda x, y: x * 2 + y)
+    tagged = autograph.graphed(lambda x: x * 2)
+    for _ in range(6):
+        x = torch.randn(4, 3, dtype=torch.cfloat).conj().imag
+        y = torch.randn(4, 3)
+        torch.testing.assert_close(h(x, y), x * 2 + y)
+        y._is_hf_initialized = True
+        torch.testing.assert_close(tagged(y), y * 2)
+    for fn in (h, tagged):
+        assert autograph.stats(fn)["replays"] >= 2, autograph.stats(fn)
+
+
+def test_slices_and_ranges_are_keyed(standin):
+    """A ``slice`` or ``range`` argument (``f(x, slice(0, 4))``) ran every call
+    eagerly (unkeyable): they are keyed by their parts."""
+    g = autograph.graphed(lambda x, s, r: x[s] * len(r))
+    for i in range(12):
+        x, s, r = torch.randn(6), slice(0, 2 + i % 2), range(i % 2 + 1)
+        torch.testing.assert_close(g(x, s, r), x[s] * len(r))
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)

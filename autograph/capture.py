@@ -195,6 +195,7 @@ class CudaBackend:
             if index not in self._cublas_cleared:  # see _clear_cublas_workspaces
                 self._cublas_cleared.add(index)
                 _clear_cublas_workspaces()
+            _blas_ready(index)
             side.wait_stream(caller)
             gc.disable()  # a collection during capture could free tensors mid-graph
             try:
@@ -329,6 +330,28 @@ def _end_quietly(graph: torch.cuda.CUDAGraph) -> None:
     with contextlib.suppress(Exception), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty": it failed early
         graph.capture_end()
+
+
+_blas_threads = threading.local()  # per thread: the devices whose handles it made
+
+
+def _blas_ready(index: int) -> None:
+    """Make this thread's cuBLAS and cuBLASLt handles for the device before its first
+    capture: torch makes them per thread at first use, and creating one inside a
+    capture fails (``CUBLAS_STATUS_NOT_INITIALIZED``), as it did for a thread that
+    captures a key other threads warmed up.  Made on the caller's stream, so the side
+    stream's workspace is still made by the capture, in the pool (see below)."""
+    made = getattr(_blas_threads, "devices", None)
+    if made is None:
+        made = _blas_threads.devices = set()
+    if index in made:
+        return
+    made.add(index)
+    with torch.no_grad():
+        torch.cuda.current_blas_handle()
+        a = torch.ones(2, 2, device=f"cuda:{index}")
+        torch.nn.functional.linear(a, a, a[0])  # cuBLASLt (a matmul with a bias)
+        torch.mm(a, a)
 
 
 # cuBLAS keeps one workspace per (handle, stream), made at first use: one made by an

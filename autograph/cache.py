@@ -59,7 +59,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
-        "syncs", "assigned_once", "kept_at", "cold",
+        "syncs", "assigned_once", "kept_at", "cold", "hooked",
     )
 
     def __init__(self) -> None:
@@ -96,6 +96,9 @@ class Entry:
         # its first call runs plainly eagerly: its arguments' addresses moved again and
         # the last addresses of its structure never replayed (see GraphCache.entry)
         self.cold = False
+        # its last warmup found module backward hooks (training.HooksPresent): eager,
+        # without warming up, while they are registered
+        self.hooked = False
 
     def replayed(self) -> bool:
         """Whether this entry's graph was used after it was kept (replayed)."""

@@ -102,7 +102,7 @@ class Engine:
         self.given_up: str | None = None  # why this callable stopped trying, if it did
         # the kinds of arguments of the calls that made it stop (``argument_kinds``):
         # calls of other kinds (a generate switched to a static cache) try again
-        self._given_up_kinds: Any = None
+        self._given_up_kinds: set[Any] = set()
         self.failures = 0  # keys given up after a failed capture
         self._fresh = 0  # new keys since the last replay
 
@@ -133,11 +133,12 @@ class Engine:
             return self.fn(*args, **kwargs)
         if self.ranks is None:  # the cheap eager paths: no key needed to know
             if self.given_up is not None:
-                kinds = self._given_up_kinds
-                if kinds is None or argument_kinds(args, kwargs) == kinds:
+                kinds, kind = self._given_up_kinds, argument_kinds(args, kwargs)
+                if not kinds or kind in kinds:
                     self.stats.count_eager(EagerReason.GIVEN_UP, self.given_up, warn=False)
                     return self.fn(*args, **kwargs)
-                self.given_up, self._given_up_kinds, self._fresh = None, None, 0
+                kinds.add(kind)  # a kind that never tried: it tries once
+                self.given_up, self._fresh = None, 0
             watch = self.watch
             if _grad_enabled() and not watch.stale and not self.trains \
                     and watch.requires_grad():
@@ -262,7 +263,7 @@ class Engine:
         self._fresh += 1
         if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
             self.give_up_all(f"{self._fresh} new keys in a row without a replay")
-            self._given_up_kinds = argument_kinds(args, kwargs)
+            self._given_up_kinds.add(argument_kinds(args, kwargs))
         return entry
 
     def give_up_all(self, why: str) -> None:
@@ -309,7 +310,8 @@ class Engine:
         graphs again if this callable had stopped trying); ``cache.clear``."""
         self.cache.clear(keep_known)
         self.watch.stale = True
-        self.given_up = self._given_up_kinds = None
+        self.given_up = None
+        self._given_up_kinds = set()
         self.failures = self._fresh = 0
 
     def invalidate(self) -> None:

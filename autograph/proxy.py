@@ -18,7 +18,6 @@ from torch import nn
 
 from .engines import Handle, make_module_engine
 from .functions import _SCRIPT_ERROR
-from .notify import global_hooks
 from .options import Options
 from .region import nested, routing
 
@@ -48,15 +47,6 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
         self._self_engine = self._self_handle.engine
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._self_handle.call(args, kwargs)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's ``forward`` called directly (``model.forward(x)``, as
-        sentence-transformers calls its backbone): graphed as a call is while no forward
-        hook is registered (a direct call skips them), else the module's own."""
-        module = self.__wrapped__
-        if module._forward_hooks or module._forward_pre_hooks or global_hooks():
-            return module.forward(*args, **kwargs)
         return self._self_handle.call(args, kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -44,6 +44,12 @@ UNFROZEN = (EagerReason.WARMUP, "a parameter requires grad again: capturing agai
 def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
           device: torch.device) -> Any:
     options = engine.options
+    if entry.hooked:  # backward hooks at its last warmup: one look, not a warmup
+        why = training.backward_hooks(engine.watch)
+        if why:
+            engine.stats.count_eager(EagerReason.BACKWARD_UNSUPPORTED, why, warn=False)
+            return engine.eager(*flat.call())
+        entry.hooked = False
     timed = options.min_speedup is not None and (entry.runs > 0 or options.warmup == 1)
     engine.stats.count_eager(EagerReason.WARMUP, warn=False)  # counted first: may raise
     with lifecycle.capture_turn() as turn, engine.profiler_range("warmup"):
@@ -64,8 +70,9 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         entry.contained = True
     if warmed.problem is not None:  # the call ran; graphs would get it wrong
         if isinstance(warmed.problem, training.HooksPresent):
-            # eager while hooked, learning again at the next call (a hook removed)
+            # eager while hooked, warming up again once they are removed
             engine.stats.reclassify(warmed.problem.reason, warmed.problem.detail)
+            entry.hooked = True
             return warmed.out
         if isinstance(warmed.problem, lifecycle.AttributeSet) and any(
                 e.graph is not None for e in list(engine.cache.entries.values())):

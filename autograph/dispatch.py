@@ -302,6 +302,8 @@ class Engine:
             return self.fn(*args, **kwargs)
         finally:
             stack.pop()
+            if watch.assignments:  # what it assigned: noted for warmups only (nothing
+                watch.assignments = []  # of it kept alive by the watch)
             if watch.refs_moved():  # the call changed a name it reads: its own change
                 watch.accept_refs()
 

@@ -1155,3 +1155,29 @@ def test_slices_and_ranges_are_keyed(standin):
         x, s, r = torch.randn(6), slice(0, 2 + i % 2), range(i % 2 + 1)
         torch.testing.assert_close(g(x, s, r), x[s] * len(r))
     assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+class _Appending(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.cache = torch.zeros(1)
+
+    def forward(self, x):
+        self.cache = torch.cat([self.cache, x])
+        return x * 2
+
+
+def test_eager_calls_keep_no_assigned_values_alive(standin):
+    """The values a running call's assignments replaced are noted for warmups (to undo
+    a failed capture's); an eager call's were kept by the watch until the next
+    warmup (an old cache tensor held for ever by a key that runs eagerly)."""
+    from autograph.lookup import _engines_of
+
+    m = _Appending()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(8):
+            g(torch.randn(2))
+    (engine,) = _engines_of(g)
+    assert engine.watch.assignments == []
+    assert autograph.stats(g)["eager_reasons"].get("assigns_attribute")

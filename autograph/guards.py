@@ -65,15 +65,6 @@ _Module = nn.Module
 _ptr: Callable[[Any], int] = torch.Tensor.data_ptr
 
 
-def _SETATTR(module: nn.Module, name: str, value: Any) -> None:  # noqa: N802
-    """``nn.Module.__setattr__`` past the assignment hook (``notify.install``)."""
-    setter = nn.Module.__setattr__
-    getattr(setter, "__wrapped__", setter)(module, name, value)
-
-
-def _DELATTR(module: nn.Module, name: str) -> None:  # noqa: N802
-    deleter = nn.Module.__delattr__
-    getattr(deleter, "__wrapped__", deleter)(module, name)
 _Lazy = getattr(torch.nn.parameter, "UninitializedTensorMixin", ())
 
 
@@ -82,6 +73,19 @@ def _held_ptr(t: Any) -> int:
     (``nn.LazyLinear`` before its first call, which has no memory; its module runs
     eagerly then, through its initialising hook)."""
     return -1 if isinstance(t, _Lazy) else _ptr(t)
+
+
+def _set_quietly(module: nn.Module, name: str, value: Any) -> None:
+    """``nn.Module.__setattr__`` past the assignment hook (``notify.install``)."""
+    setter = nn.Module.__setattr__
+    getattr(setter, "__wrapped__", setter)(module, name, value)
+
+
+def _del_quietly(module: nn.Module, name: str) -> None:
+    deleter = nn.Module.__delattr__
+    getattr(deleter, "__wrapped__", deleter)(module, name)
+
+
 _getitem = operator.getitem
 _grad_enabled = torch.is_grad_enabled
 # One C++ pass comparing tensors' data pointers with expected ones (CUDA builds; the
@@ -316,9 +320,9 @@ class Watch:
             if was is notify.CHANGED:
                 continue  # changed in place: what it held is not known
             if was is notify.MISSING:
-                _DELATTR(module, name)
+                _del_quietly(module, name)
             else:
-                _SETATTR(module, name, was)
+                _set_quietly(module, name, was)
         self.forget_assignments()
 
     def owner_assigned(self, name: str) -> None:

@@ -343,4 +343,3 @@ def opened(leaves: list[Any]) -> list[Any]:
         found = open_leaf(leaf)
         out.extend(found if found is not None else [leaf])
     return out
-

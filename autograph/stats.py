@@ -92,8 +92,15 @@ class Stats:
 
     def count_eager(self, reason: EagerReason, detail: str = "", *, warn: bool = True) -> None:
         """Count one eager call; log each new reason (and detail) once at WARNING."""
-        value = reason._value_  # not ``.value`` (a descriptor) nor the member's hash
         self.eager += 1  # (Python-level in enum): the grad-mode eager path runs this
+        value = self._note(reason, detail, warn)
+        if _observers:
+            _notify(self, value)
+
+    def _note(self, reason: EagerReason, detail: str, warn: bool) -> str:
+        """Count ``reason`` (and ``detail``) for one eager call, logging each new one
+        once; the reason's value."""
+        value = reason._value_  # not ``.value`` (a descriptor) nor the member's hash
         self.eager_reasons[value] += 1
         self.last_reason = reason
         if detail:
@@ -101,13 +108,12 @@ class Stats:
             if detail not in details and len(details) >= MAX_DETAILS:
                 del details[next(iter(details))]
             details[detail] = details.get(detail, 0) + 1
-        if _observers:
-            _notify(self, value)
         if warn and value not in _QUIET and (value, detail) not in self._warned:
             if len(self._warned) < 256:
                 self._warned.add((value, detail))
                 text = f"{reason.message}: {detail}" if detail else reason.message
                 logger.warning("%s: running eagerly [%s]: %s", self.name, value, text)
+        return value
 
     def reclassify(self, reason: EagerReason, detail: str = "") -> None:
         """The call just counted as a warmup ran eagerly for ``reason`` instead (its
@@ -118,16 +124,7 @@ class Stats:
         self.eager_reasons[warmup] -= 1
         if not self.eager_reasons[warmup]:
             del self.eager_reasons[warmup]
-        value = reason._value_  # counted as count_eager does; a region was told already
-        self.eager_reasons[value] += 1
-        self.last_reason = reason
-        if detail:
-            details = self.eager_details.setdefault(value, {})
-            details[detail] = details.get(detail, 0) + 1
-        if (value, detail) not in self._warned and len(self._warned) < 256:
-            self._warned.add((value, detail))
-            logger.warning("%s: running eagerly [%s]: %s: %s", self.name, value,
-                           reason.message, detail)
+        self._note(reason, detail, warn=True)  # a region was told of this call already
 
     def count_replay(self) -> None:
         self.replays += 1

@@ -41,6 +41,8 @@ def number_key(x: Any) -> Any:
     if np is not None and isinstance(x, np.generic) and not isinstance(x, np.object_):
         return (type(x), x.dtype.str, x.tobytes())
     return None
+
+
 _MAX_NODES = 20_000
 # never opened: their state is not in attributes (sets), or is guarded elsewhere (modules)
 _UNOPENED = (set, frozenset, torch.nn.Module)

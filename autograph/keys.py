@@ -34,7 +34,7 @@ from .objects import (
     unaddressed,
 )
 from .vocab import EagerReason, Uncapturable
-from .walk import number_key
+from .walk import float_bits, number_key
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -135,7 +135,8 @@ class GraphKey(NamedTuple):
                 dtype = _SHORT.get(leaf.dtype, str(leaf.dtype).replace("torch.", ""))
                 items.append(f"{dtype}{list(leaf.shape)}")
             elif leaf.kind is float:
-                items.append(repr(float.fromhex(leaf.value)))
+                nan = leaf.value.startswith("nan")
+                items.append("nan" if nan else repr(float.fromhex(leaf.value)))
             else:
                 items.append(repr(leaf.value))
         return "(" + ", ".join(items) + ")"
@@ -319,7 +320,7 @@ def leaf_key(x: Any) -> ValueKey:
     """The key of one non-tensor leaf; raises :class:`Uncapturable` for what cannot be
     keyed."""
     if type(x) is float:
-        return _new(ValueKey, (float, x.hex()))  # tells -0.0 from 0.0, keys NaN stably
+        return _new(ValueKey, (float, float_bits(x)))  # by its bits
     if isinstance(x, BY_VALUE) or isinstance(x, enum.Enum):
         return _new(ValueKey, (type(x), x))
     number = number_key(x)  # a complex, a NumPy scalar

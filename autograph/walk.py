@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import struct
 import sys
 import types
 from typing import Any
@@ -31,12 +32,19 @@ VALUES = (
 _MAX_DEPTH = 8
 
 
+def float_bits(x: float) -> str:
+    """A float's key: its ``hex()`` spelling (which tells -0.0 from 0.0), or for a NaN
+    its bytes (``hex()`` spells every NaN alike; ``copysign`` and ``signbit`` tell a
+    negative one apart)."""
+    return x.hex() if x == x else "nan:" + struct.pack("<d", x).hex()
+
+
 def number_key(x: Any) -> Any:
     """The key of a number that is no builtin int or float: a ``complex`` (by its
     parts' hex spellings) or a NumPy scalar (``np.float32(0.5)``: by its dtype and
     bits, so NaN keys stably); None for anything else."""
     if type(x) is complex:
-        return (complex, x.real.hex(), x.imag.hex())
+        return (complex, float_bits(x.real), float_bits(x.imag))
     np = sys.modules.get("numpy")  # never imported for this: only if the caller has it
     if np is not None and isinstance(x, np.generic) and not isinstance(x, np.object_):
         return (type(x), x.dtype.str, x.tobytes())
@@ -86,7 +94,7 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
         walked.paths.append(path)
         return None
     if tx is float:
-        return (float, x.hex())
+        return (float, float_bits(x))
     number = number_key(x)  # before VALUES: ``np.float64`` is a float (keyed by bits)
     if number is not None:
         return number

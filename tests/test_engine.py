@@ -98,6 +98,24 @@ def test_one_graph_per_shape_dtype_and_value():
     assert stats_of(f)["captures"] == len(calls)
 
 
+def test_a_negative_nan_is_keyed_apart(standin):
+    """``float.hex()`` spells every NaN ``'nan'``: a graph captured with NaN replayed
+    for -NaN, and ``copysign`` gave +1 where eager gives -1.  Also inside a complex."""
+    @autograph.graphed(warmup=0)
+    def f(x, s, c):
+        return torch.copysign(x, torch.tensor(s)) + torch.copysign(x, torch.tensor(c.imag))
+
+    nan = float("nan")
+    with torch.no_grad():
+        for s, c in [(nan, complex(0, nan)), (nan, complex(0, nan)), (-nan, complex(0, nan)),
+                     (-nan, complex(0, -nan)), (nan, complex(0, nan))]:
+            x = torch.rand(3) + 1
+            out = f(x, s, c)
+            want = torch.copysign(x, torch.tensor(s)) + torch.copysign(x, torch.tensor(c.imag))
+            torch.testing.assert_close(out, want)
+    assert stats_of(f)["captures"] == 3 and stats_of(f)["replays"] == 2
+
+
 def test_strides_are_part_of_the_key():
     @autograph.graphed(warmup=0)
     def f(x):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -247,7 +248,9 @@ def _call_from_key(key: dict[str, Any], inplace: list[int], example: tuple[Any, 
 
 
 def _scalar(kind: str, value: Any) -> Any:
-    if kind == "float":
+    if kind == "float":  # as ``walk.float_bits`` spells it
+        if value.startswith("nan:"):
+            return struct.unpack("<d", bytes.fromhex(value[4:]))[0]
         return float.fromhex(value)
     if kind == "dtype":
         return _plan.parse_dtype(value)

@@ -294,3 +294,24 @@ def test_a_plan_is_used_by_a_wrapper_not_called_yet(tmp_path):
         assert entry["captured"], entry
         torch.testing.assert_close(fresh(x), model(x))
     assert autograph.stats(fresh)["replays"] == 1, autograph.stats(fresh)
+
+
+def test_a_plan_keeps_a_negative_nan_argument(tmp_path):
+    """A float argument is saved by its bits (``walk.float_bits``): a -NaN's key reads
+    back as -NaN, and the plan's graph is the one the call replays."""
+    @autograph.graphed(warmup=0)
+    def signed(x, s):
+        return torch.copysign(x, torch.tensor(s))
+
+    x, s = torch.rand(3) + 1, -float("nan")
+    run(signed, x, s)
+    path = tmp_path / "plan.json"
+    autograph.save_plan(path)
+    autograph.reset(signed)
+    with torch.no_grad():
+        (entry,) = autograph.warmup(signed, plan=path)
+        assert entry["captured"], entry
+        before = autograph.stats(signed)
+        torch.testing.assert_close(signed(x, s), -x)
+    after = autograph.stats(signed)
+    assert (after["replays"], after["captures"]) == (before["replays"] + 1, before["captures"])

@@ -59,7 +59,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
-        "syncs", "assigned_once", "kept_at", "cold", "hooked",
+        "syncs", "assigned_once", "kept_at", "cold", "hooked", "rng_drew",
     )
 
     def __init__(self) -> None:
@@ -99,6 +99,9 @@ class Entry:
         # its last warmup found module backward hooks (training.HooksPresent): eager,
         # without warming up, while they are registered
         self.hooked = False
+        # its learning warmup's own random operators moved the device's generator: a
+        # later warmup that leaves it still shows the call setting it (rng.py)
+        self.rng_drew = False
 
     def replayed(self) -> bool:
         """Whether this entry's graph was used after it was kept (replayed)."""

@@ -16,6 +16,7 @@ propagates unchanged, once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import containers, counters
+from . import containers, counters, rng
 from .buffers import StaticInputs, output_builder
 from .capture import Backend, OnPool
 from .flat import Flat
@@ -115,16 +116,18 @@ class WritesFound(Exception):
 class Warmed:
     """What one warmup run learned."""
 
-    __slots__ = ("out", "written", "hidden", "seeded", "seconds", "problem")
+    __slots__ = ("out", "written", "hidden", "seeded", "seconds", "problem", "drew")
 
     def __init__(self, out: Any, written: set[int], hidden: list[torch.Tensor],
-                 seeded: bool | None, seconds: float, problem: Uncapturable | None) -> None:
+                 seeded: bool | None, seconds: float, problem: Uncapturable | None,
+                 drew: rng.Move = rng.Move.STILL) -> None:
         self.out = out
         self.written = written
         self.hidden = hidden
         self.seeded = seeded  # whether it drew random numbers on the device (None: not learned)
         self.seconds = seconds
         self.problem = problem  # why graphs would get this call wrong, or None
+        self.drew = drew  # what it did to the device's generator
 
 
 def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
@@ -145,6 +148,10 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
     flags = modes(device) if learn else None
+    gen = rng.generator(device)
+    before = rng.mark(gen)
+    if recorder is not None and gen is not None:
+        recorder.rng, recorder.rng_last = functools.partial(rng.mark, gen), before
     with call_scope(watch):  # as a capture: no stale casts read
         if timed:
             backend.synchronize(device)
@@ -155,11 +162,14 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         if timed:
             backend.synchronize(device)
         seconds = time.perf_counter() - start
+    drew = rng.move(before, rng.mark(gen))
     backend.after_warmup(device, out)
     hosts.rewind()  # their advance is no structural change (counters.py)
     try:
         if reads is not None and recorder is not None:  # first: training ignores AUTOGRAD
             reads.check(recorder.seeded)
+        if drew is rng.Move.SET or (recorder is not None and recorder.rng_set):
+            raise Uncapturable(EagerReason.RNG_SET, rng.SETS)
         tensors = _tensor_leaves(out)
         _check(watch, tensors, host, device)
         _check_objects(flat)
@@ -184,9 +194,9 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         problem = exc.with_traceback(None)
     hosts.settle()
     if recorder is None:
-        return Warmed(out, set(), [], None, seconds, problem)
+        return Warmed(out, set(), [], None, seconds, problem, drew)
     return Warmed(out, recorder.written, list(recorder.hidden.values()), recorder.seeded,
-                  seconds, problem)
+                  seconds, problem, drew)
 
 
 def _tensor_leaves(out: Any) -> list[torch.Tensor]:

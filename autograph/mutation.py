@@ -15,11 +15,14 @@ after capture by comparing the static buffers with the caller's tensors.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .rng import went_back
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -82,6 +85,12 @@ class _Recorder(TorchDispatchMode):
         # write advances it): what the call advanced it by is known after the call
         self.hidden_versions: dict[int, int] = {}
         self.seeded = False
+        # with ``rng`` (a learning warmup's ``rng.mark`` of the device's generator, and
+        # ``rng_last`` its mark when the call began): ``rng_set`` says whether the
+        # generator was set before a random operator, since the last one or the start
+        self.rng: Callable[[], Any] | None = None
+        self.rng_set = False
+        self.rng_last: Any = None
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -94,11 +103,25 @@ class _Recorder(TorchDispatchMode):
             if func in _LIFTS:  # torch.tensor(data): a tensor the call made from Python
                 self.made.add(_storage_key(args[0]))
             self._reads(func, args, kwargs)
-        out = func(*args, **kwargs)
+        if self.rng is not None and _SEEDED is not None and _SEEDED in func.tags:
+            out = self._between_draws(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
         if self.known is not None:
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.made.add(_storage_key(t))
+        return out
+
+    def _between_draws(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run a random operator, noting whether the generator was set since the last
+        one (``rng.went_back``)."""
+        now = self.rng()  # type: ignore[misc]
+        last = self.rng_last
+        if last is not None and now is not None and went_back(last, now):
+            self.rng_set = True
+        out = func(*args, **kwargs)
+        self.rng_last = self.rng()  # type: ignore[misc]
         return out
 
     def _reads(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -50,6 +50,7 @@ class EagerReason(enum.Enum):
     ASSIGNS = "assigns_attribute"
     HOST_RANDOM = "host_random"
     RNG_STATE = "reads_rng_state"
+    RNG_SET = "sets_rng_state"
     OUTPUT = "unsupported_output"
     CAPTURE_FAILED = "capture_failed"
     REPLAY_FAILED = "replay_failed"
@@ -92,6 +93,8 @@ _MESSAGES = {
     EagerReason.RNG_STATE: "the forward reads the generator's state and draws random "
                            "numbers (activation checkpointing): a graph would keep the "
                            "state it read",
+    EagerReason.RNG_SET: "the forward sets the generator's seed or state (torch.manual_seed, "
+                         "a saved state restored): a graph's replays would draw on",
     EagerReason.OUTPUT: "an output cannot be handed back safely",
     EagerReason.CAPTURE_FAILED: "capture failed",
     EagerReason.REPLAY_FAILED: "replay failed",

@@ -238,6 +238,8 @@ class StandinBackend:
         self.rng_free.append(rng_free)
         self.pools_used.append(pool if pool is not None else self._pool)
         self._local.capturing = True
+        # a CUDA capture advances no generator: its first replay draws what eager would
+        generator = torch.random.get_rng_state()
         try:
             with recorder, _host_reads_refused(), self._stream_capturing():
                 if self.fail_next is not None:
@@ -246,6 +248,7 @@ class StandinBackend:
                 out = fn()
         finally:
             self._local.capturing = False
+            torch.random.set_rng_state(generator)
         self.captures += 1
         if self.share_pool:
             self.reserved += max(0, recorder.nbytes - self._pool_size)

@@ -55,7 +55,9 @@ def test_torch_refusing_a_random_operator_in_such_a_capture_captures_again(stand
             "Attempt to increase offset for a CUDA generator not in capture mode.")
         for _ in range(3):
             torch.testing.assert_close(f(x), x * 2)
-    assert standin.rng_free == [True, False, False]  # refused, again, its output variant
+    # refused, then again with the generator; no output variant: the graph counts as
+    # drawing (a variant's check would replay it once more, drawing again)
+    assert standin.rng_free == [True, False]
     s = autograph.stats(f)
     assert s["captures"] == 1 and s["replays"] == 2 and "capture_failed" not in s["eager_reasons"]
 

@@ -61,6 +61,12 @@ from ..test_objects import (
     check_training_a_model_that_returns_a_dynamic_cache,
 )
 from ..test_region import check_methods_graph_their_submodule_calls
+from ..test_rng import (
+    _setters,
+    check_a_call_setting_the_generator_runs_eagerly,
+    check_a_custom_operator_that_draws_is_not_verified_nor_given_variants,
+    check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds,
+)
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
     check_a_class_attribute_flag_is_seen,
@@ -397,3 +403,18 @@ def test_whole_steps_see_frozen_layers_and_loaded_optimizer_state():
 
 def test_an_argument_object_inside_a_returned_object_is_the_calls_own():
     check_an_argument_object_inside_a_returned_object_is_the_calls_own("cuda")
+
+
+@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("seed_before", [True, False])
+def test_a_call_setting_the_generator_runs_eagerly(which, seed_before):
+    fn = _setters("cuda")[which]
+    check_a_call_setting_the_generator_runs_eagerly("cuda", fn, seed_before)
+
+
+def test_calls_that_draw_replay_eagers_numbers_under_the_same_seeds():
+    check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds("cuda")
+
+
+def test_a_custom_operator_that_draws_is_not_verified_nor_given_variants():
+    check_a_custom_operator_that_draws_is_not_verified_nor_given_variants("cuda")

@@ -1,0 +1,80 @@
+"""Whether a call sets the device's random generator, seen on the generator itself.
+
+A graph's replays draw on from where the device's generator stands (CUDA registers the
+generator's state with the graph and advances its offset by the graph's draws on each
+replay).  A call that sets the generator on its own (``torch.manual_seed`` inside it,
+a state it saved and restores between two draws, ``Generator.set_state``) draws the
+same numbers again in eager mode, and other numbers from a graph; setting the seed a
+generator already has is even allowed inside a CUDA capture.  The setters are reached
+under many names (``from torch.random import ...``, a generator's own methods), so what
+is watched is the generator: its seed and position before and after each warmup
+(:func:`move`) and between the random operators of a learning warmup
+(:func:`went_back`, called by ``mutation.WriteRecorder``).  Such a call runs eagerly
+(``EagerReason.RNG_SET``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import torch
+
+SETS = "seen before one of its random operators"
+RESETS = "it draws the same numbers on every call"
+
+
+class Mark(NamedTuple):
+    """Where a generator stands: its seed and position (the Philox offset of a CUDA
+    generator, an int; the whole state where there is no offset: the CPU stand-in)."""
+
+    seed: int
+    position: Any
+
+
+class Move(enum.Enum):
+    """What a warmup did to the generator."""
+
+    STILL = "still"  # the same seed and position after as before
+    DREW = "drew"  # moved forward
+    SET = "set"  # another seed, or a position behind the one before
+
+
+def generator(device: torch.device) -> torch.Generator | None:
+    """The default generator random operators on ``device`` draw from, or None."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]  # type: ignore[no-any-return]
+    if device.type == "cpu":  # the stand-in's device
+        return torch.default_generator
+    return None
+
+
+def mark(gen: torch.Generator | None) -> Mark | None:
+    """Where ``gen`` stands now (None for no generator)."""
+    if gen is None:
+        return None
+    if gen.device.type == "cpu" or not hasattr(gen, "get_offset"):  # no offset
+        return Mark(gen.initial_seed(), bytes(gen.get_state().numpy()))
+    return Mark(gen.initial_seed(), gen.get_offset())
+
+
+def move(before: Mark | None, after: Mark | None) -> Move:
+    """What happened to the generator between two marks around a call."""
+    if before is None or after is None or before == after:
+        return Move.STILL
+    if before.seed != after.seed or (
+            type(before.position) is int and after.position < before.position):
+        return Move.SET
+    return Move.DREW
+
+
+def went_back(before: Mark, after: Mark) -> bool:
+    """Whether the generator was set between two marks: another seed, or a position
+    behind the one before (on a generator without offsets: any other state, since
+    only the call's random operators move it between two of them)."""
+    if before.seed != after.seed:
+        return True
+    if type(before.position) is int:
+        return after.position < before.position  # type: ignore[no-any-return]
+    return after.position != before.position  # type: ignore[no-any-return]

@@ -1,0 +1,121 @@
+"""A call that sets the device's generator itself runs eagerly (``rng.py``); calls that
+only draw replay with eager's numbers under the same seeds.  Through the stand-in,
+whose capture, like a CUDA one, advances no generator; the ``check_*`` bodies run on
+CUDA too (tests/gpu/test_limits_cuda.py)."""
+
+import pytest
+import torch
+from torch import nn
+from torch.random import get_rng_state as saved_state
+from torch.random import set_rng_state as restore_state
+
+import autograph
+from autograph import rng
+
+
+@torch.library.custom_op("autograph_test::noisy", mutates_args=())
+def _noisy(x: torch.Tensor) -> torch.Tensor:  # a fused kernel drawing its own numbers
+    return x + torch.randn_like(x)
+
+
+@_noisy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _seeded_calls(fn, g, make, device, seeds=range(6)):
+    """Each call under a new seed, eagerly and graphed: outputs and the next draw."""
+    for seed in seeds:
+        x = make()
+        torch.manual_seed(seed)
+        want, want_next = fn(x), torch.rand(1, device=device)
+        torch.manual_seed(seed)
+        got, got_next = g(x), torch.rand(1, device=device)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(got_next, want_next, rtol=0, atol=0)
+
+
+def check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds(device):
+    """The capture draws nothing: the first replay draws what eager does."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).to(device)
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        _seeded_calls(model, g, lambda: torch.randn(4, 8, device=device), device)
+    assert autograph.stats(g)["replays"] >= 3
+
+
+def test_calls_that_draw_replay_eagers_numbers_under_the_same_seeds(standin):
+    check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds("cpu")
+
+
+def _setters(device):
+    """Calls that set the device's generator: seeding inside, and a state saved and
+    restored between two draws (eager: the same numbers twice), reached by names that
+    ``StateReads`` does not spy on."""
+    gen = rng.generator(torch.device(device))
+    seed = torch.cuda.manual_seed if device == "cuda" else torch.manual_seed
+
+    def seeds_inside(x):
+        seed(0)
+        return x + torch.randn_like(x)
+
+    def sets_the_generator_object(x):
+        state = gen.get_state()
+        first = torch.rand_like(x)
+        gen.set_state(state)
+        return first - torch.rand_like(x)
+
+    return [seeds_inside, sets_the_generator_object]
+
+
+def check_a_call_setting_the_generator_runs_eagerly(device, fn, seed_before):
+    """Eager draws the same numbers again, a graph's replays would draw on (on CUDA,
+    setting the seed a generator has is allowed during a capture)."""
+    autograph.reset()
+    g = autograph.graphed(fn)
+    gen = rng.generator(torch.device(device))
+    with torch.no_grad():
+        if seed_before:  # the seed the call sets is the generator's already
+            gen.manual_seed(0)
+        for _ in range(6):
+            x = torch.randn(16, device=device)
+            state = gen.get_state()
+            want = fn(x)
+            gen.set_state(state)
+            torch.testing.assert_close(g(x), want, rtol=0, atol=0)
+    s = autograph.stats(g)
+    assert s["replays"] == 0 and s["eager_reasons"].get("sets_rng_state", 0) >= 4, s
+
+
+def _restores_a_saved_state(x):  # the CPU generator's setter by another name
+    state = saved_state()
+    first = torch.randn_like(x)
+    restore_state(state)
+    return x + first - torch.randn_like(x)  # eager: x
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("seed_before", [True, False])
+def test_a_call_setting_the_generator_runs_eagerly(standin, which, seed_before):
+    fn = [*_setters("cpu"), _restores_a_saved_state][which]
+    check_a_call_setting_the_generator_runs_eagerly("cpu", fn, seed_before)
+
+
+def check_a_custom_operator_that_draws_is_not_verified_nor_given_variants(device):
+    """A custom operator's draws carry no random tag: the generator's move shows them,
+    so the graph counts as drawing (no output variants, whose checks replay it once
+    more, and no verification against eager, whose numbers differ)."""
+    def f(x):
+        return _noisy(x) * 2
+
+    for options in ({}, {"verify_every": 1}):
+        autograph.reset()
+        g = autograph.graphed(f, **options)
+        with torch.no_grad():
+            _seeded_calls(f, g, lambda: torch.randn(4, device=device), device)
+        s = autograph.stats(g)
+        assert s["replays"] >= 3 and s["verify_failures"] == 0, s
+
+
+def test_a_custom_operator_that_draws_is_not_verified_nor_given_variants(standin):
+    check_a_custom_operator_that_draws_is_not_verified_nor_given_variants("cpu")

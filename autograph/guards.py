@@ -137,7 +137,9 @@ class Watch:
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
         self.steps = StepGuard()  # optimizers stepped inside graphs (steps.py)
-        self._last_grad: Any = None  # a weak reference to a tensor that required grad
+        # the position (in ``tensors()``) of one found requiring grad: no weak reference,
+        # which ``torch.utils.swap_tensors`` (``.to()`` under the swap future) refuses
+        self._last_grad: int | None = None
         self._modules: list[Any] = []  # weak references to the watched modules
         self._training: tuple[bool, ...] | None = None
         self.training_changes = 0  # assignments of a watched module's training flag
@@ -271,15 +273,14 @@ class Watch:
     def requires_grad(self) -> bool:
         """Whether a watched parameter or buffer requires grad (the one found last time
         is tried first: with a trainable model under grad mode this is one check)."""
-        tensors = list(self.tensors()) if self._last_grad is None else None
-        if self._last_grad is not None:
-            t = self._last_grad()
+        last = self._last_grad
+        if last is not None and last < len(self._names):
+            t = self._holders[last].get(self._names[last])
             if t is not None and t.requires_grad:
                 return True
-            tensors = list(self.tensors())
-        for t in tensors or ():
+        for i, t in enumerate(self.tensors()):
             if t.requires_grad:
-                self._last_grad = weakref.ref(t)
+                self._last_grad = i
                 return True
         self._last_grad = None
         return False

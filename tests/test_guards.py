@@ -1183,3 +1183,34 @@ def test_eager_calls_keep_no_assigned_values_alive(standin):
     (engine,) = _engines_of(g)
     assert engine.watch.assignments == []
     assert autograph.stats(g)["eager_reasons"].get("assigns_attribute")
+
+
+def check_swapped_parameters_after_training_calls(device):
+    """``torch.utils.swap_tensors`` (``.to()`` and ``load_state_dict`` under
+    ``set_swap_module_params_on_conversion``) refuses a tensor with a weak reference: a
+    graphed call under grad mode kept one to a parameter, and ``.double()`` raised."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).to(device)
+        twin = copy.deepcopy(model)
+        g = autograph.graphed(model)
+        for _ in range(2):  # its warmups (a training graph holds the parameters, which
+            x = torch.randn(3, 8, device=device)  # swap_tensors refuses too)
+            g(x).sum().backward()
+            twin(x).sum().backward()
+        model.load_state_dict(twin.state_dict())
+        model.double()
+        twin.double()
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(3, 8, device=device, dtype=torch.float64)
+                torch.testing.assert_close(g(x), twin(x))
+        assert autograph.stats(g)["replays"] >= 2
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def test_swapped_parameters_after_training_calls(standin):
+    check_swapped_parameters_after_training_calls("cpu")

@@ -48,6 +48,7 @@ from ..test_guards import (
     check_named_tensors_given_other_memory_in_place_are_seen,
     check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
     check_scripted_modules_attributes_and_modes_are_seen,
+    check_swapped_parameters_after_training_calls,
     check_written_state_passed_from_the_first_call,
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded,
 )
@@ -418,3 +419,7 @@ def test_calls_that_draw_replay_eagers_numbers_under_the_same_seeds():
 
 def test_a_custom_operator_that_draws_is_not_verified_nor_given_variants():
     check_a_custom_operator_that_draws_is_not_verified_nor_given_variants("cuda")
+
+
+def test_swapped_parameters_after_training_calls():
+    check_swapped_parameters_after_training_calls("cuda")

@@ -46,6 +46,8 @@ from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
 from .padding import (
     Batch,
+    advanced,
+    arg_of,
     copy_back,
     graphable,
     out_dim,
@@ -53,6 +55,7 @@ from .padding import (
     rows_of,
     shares_memory,
     slice_back,
+    versions_of,
 )
 from .vocab import EagerReason, Uncapturable, logger
 
@@ -162,8 +165,11 @@ class Bucketer:
         else:  # another call (a thread, a nested call) is using the buffers, or grad mode
             # is on (autograd may keep the padded inputs for a backward): new tensors
             padded = padded_call(args, kwargs, batch, size, self._fills(batch))
+            tensors = [arg_of(*padded, k) for k, _, _ in batch]
+            before = versions_of(tensors)
             out = slice_back(self.engine.dispatch(*padded), size, real, out_dim(batch))
-            copy_back(padded, batch, self._written(batch, learned), real)
+            copy_back(padded, batch, advanced(tensors, before, self._written(batch, learned)),
+                      real)
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
         return out
 
@@ -183,9 +189,15 @@ class Bucketer:
             else:
                 new_kwargs[key] = buf
         replays = self.stats.replays
+        before = versions_of(buffers)
         with slot.pinned:  # captured at their own address: no second copy at replay
             out = self.engine.dispatch(tuple(new_args), new_kwargs)
-        written = self._written(batch, learned)
+            if self.stats.replays == replays and self.engine.gave_up(tuple(new_args),
+                                                                    new_kwargs):
+                # (its Python reads tensor values, say: a branch the padding check saw
+                # one way may mix rows the other way)
+                self._turn_off(learned, "its padded calls run eagerly")
+        written = advanced(buffers, before, self._written(batch, learned))
         if written:
             padslots.hand_back(slot, tensors, written)
         if self.stats.replays != replays and self.ranks is None:  # the next call: its route

@@ -290,6 +290,15 @@ class Engine:
             self.watch.refresh()
         return list(self.watch.tensors())
 
+    def gave_up(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the key of these arguments runs eagerly for good (a bucketer then
+        stops padding: a padded call that never replays only risks its results)."""
+        try:
+            entry = self.cache.entries.get(self._key(args, kwargs)[0])
+        except Uncapturable:
+            return True
+        return entry is not None and entry.state is State.EAGER
+
     def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The original call, uncounted (under the watch, in a profiler range)."""
         stack = running_stack()  # ``with running(watch)``, without its two calls
@@ -327,13 +336,14 @@ class Engine:
     def replay_entry(self, entry: Entry, run: Callable[[Any], Any], flat: Flat) -> Any:
         """Replay ``entry`` for these arguments; if the replay itself fails, drop the
         graph and run eagerly."""
+        graph = entry.graph  # once: another thread's reset may drop it meanwhile (None)
         if self.verify_every is not None:
             entry.runs += 1
             # not verified: graphs that draw random numbers (their replays differ from
             # eager by design) and calls with object arguments (an eager rerun would
             # advance the object's own state, a cache's, a second time)
-            if entry.runs % self.verify_every == 0 and not (entry.graph.seeded
-                                                             or flat.objects):
+            if entry.runs % self.verify_every == 0 and graph is not None \
+                    and not (graph.seeded or flat.objects):
                 result = verify.verified(self, entry, run, flat)
                 return containers.apply(entry.syncs, flat, result) if entry.syncs \
                     else result
@@ -346,7 +356,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self.replay_failed(entry, exc, flat)
         if result is _HELD:
-            return self.protect(flat, entry.graph.held_reason)
+            return self.protect(flat, graph.held_reason if graph is not None else None)
         if entry.syncs:  # container arguments the call changes (containers.py)
             result = containers.apply(entry.syncs, flat, result)
         self.stats.replays += 1

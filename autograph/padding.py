@@ -72,6 +72,28 @@ def copy_back(padded: tuple[tuple[Any, ...], dict[str, Any]], batch: Batch, writ
         t.copy_(src.narrow(dim, 0, real))
 
 
+def versions_of(tensors: list[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter (None for an inference tensor, which has none)."""
+    out: list[int | None] = []
+    for t in tensors:
+        try:
+            out.append(t._version)
+        except RuntimeError:
+            out.append(None)
+    return out
+
+
+def advanced(tensors: list[torch.Tensor], before: list[int | None],
+             written: list[int]) -> list[int]:
+    """``written`` (indexes into ``tensors``) with every tensor whose version counter
+    moved since ``before``: a padded call that wrote an argument the context's first
+    call did not (a write on a branch, or one for some batch sizes only) hands it back
+    too (a replay advances the counters its capture saw advance)."""
+    moved = [i for i, (t, v) in enumerate(zip(tensors, before))
+             if v is not None and i not in written and t._version != v]
+    return sorted([*written, *moved]) if moved else written
+
+
 def shares_memory(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch) -> bool:
     """Whether a batch argument shares memory with another tensor argument (the same
     tensor passed twice, a view of another argument): padding copies a batch argument,

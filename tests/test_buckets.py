@@ -191,6 +191,61 @@ def test_a_branch_on_the_batch_size_is_checked_per_size(standin):
     check_a_branch_on_the_batch_size_is_checked_per_size()
 
 
+def check_a_write_the_first_call_did_not_make_reaches_the_caller(device="cpu"):
+    """The arguments a context writes were learned from its first call only: a write on
+    a branch (``if x.sum() > 0``) or for some batch sizes only (``if x.shape[0] > 2``)
+    went into the padded buffer, and the caller's tensor never changed."""
+    def on_values(x, state):
+        if x.sum() > 0:
+            state.add_(x)
+        return x * 2
+
+    def on_sizes(x, state):
+        if x.shape[0] > 2:
+            state.add_(x)
+        return x * 2
+
+    for f, calls in ((on_values, [(3, -1), (3, 1), (3, 1), (3, 1), (3, 1)]),
+                     (on_sizes, [(1, 1), (3, 1), (3, 1), (3, 1), (3, 1), (3, 1)])):
+        g = autograph.graphed(f, buckets=[4])
+        with torch.no_grad():
+            for n, sign in calls:
+                x = torch.rand(n, 4, device=device) * sign
+                want, got = torch.zeros(n, 4, device=device), torch.zeros(n, 4, device=device)
+                torch.testing.assert_close(g(x, got), f(x, want))
+                torch.testing.assert_close(got, want)
+    assert autograph.stats(g)["replays"] >= 2  # on_sizes: the written bucket replays
+
+
+def test_a_write_the_first_call_did_not_make_reaches_the_caller(standin):
+    check_a_write_the_first_call_did_not_make_reaches_the_caller()
+
+
+def check_padding_ends_where_the_padded_calls_run_eagerly(device="cpu"):
+    """A call reading tensor values on the host is never graphed; its padded calls ran
+    eagerly on the padded rows for good, where a branch the padding check saw one way
+    mixed rows the other way (``x - x.mean(0)``): padding ends once such a key gives up."""
+    def normalize(x):
+        if x.abs().max() > 10:
+            return x - x.mean(0)
+        return x * 2
+
+    g = autograph.graphed(normalize, buckets=[4])
+    with torch.no_grad():
+        for _ in range(4):  # learning, the check, warmups and the failed capture: calm
+            x = torch.rand(3, 2, device=device)
+            torch.testing.assert_close(g(x), normalize(x))
+        for _ in range(4):
+            x = torch.rand(3, 2, device=device) * 30
+            torch.testing.assert_close(g(x), normalize(x))
+    s = autograph.stats(g)
+    assert s["padding"] == "padding off: its padded calls run eagerly; one graph per batch size"
+
+
+def test_padding_ends_where_the_padded_calls_run_eagerly(standin):
+    check_padding_ends_where_the_padded_calls_run_eagerly()
+
+
 def check_padded_outputs_have_eager_layout(device="cpu"):
     """Rows cut back from a padded output where the batch is not the outermost dimension
     in memory (``batch_dims`` 1, a transposed input) come back dense in eager's order, so

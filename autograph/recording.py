@@ -159,9 +159,13 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             stats.count_eager(EagerReason.IN_PLACE, warn=False)
             return engine.eager(*flat.call())
         except Uncapturable as exc:
-            if entry.direct and exc.reason is EagerReason.CAPTURE_FAILED:
-                entry.direct, entry.runs = False, 0  # captured without warming up:
-                return warm(engine, key, entry, flat, backend, device)  # warm up first
+            if entry.direct and (exc.reason is EagerReason.CAPTURE_FAILED
+                                 or lifecycle.changed_once(exc)):
+                # captured without warming up (a key known before an invalidation),
+                # where the call fails or sets something up once (an RNN's flat weights
+                # after its parameters were replaced): warm up first, learning again
+                entry.direct, entry.runs = False, 0
+                return warm(engine, key, entry, flat, backend, device)
             return _capture_failed(engine, entry, flat, exc)
         except BaseException as exc:  # the user's own error: it propagates, once
             stats.count_eager(EagerReason.CAPTURE_FAILED,

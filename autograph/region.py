@@ -30,6 +30,7 @@ from torch import nn
 from .engines import Handle, make_module_engine
 from .options import Options
 from .stats import Stats, observing
+from .vocab import deferred_body
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -80,6 +81,14 @@ class Region:
         _release()
 
     def __call__(self, fn: F) -> F:
+        kind = deferred_body(fn)
+        if kind is not None:
+            raise TypeError(
+                f"autograph.capture_region cannot decorate {kind} "
+                f"({getattr(fn, '__qualname__', fn)!r}): its body runs after the call "
+                f"returns, outside the region; open the region inside it "
+                f"(`with autograph.capture_region():`) around the module calls")
+
         @functools.wraps(fn)
         def inside(*args: Any, **kwargs: Any) -> Any:
             with self:

@@ -9,6 +9,7 @@ exception's message, a type name) travels beside it as free-text *detail*.
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 
 logger = logging.getLogger("autograph")
@@ -137,3 +138,12 @@ IN_TRANSFORM = ("called inside a torch.func transform (vmap, grad, jacrev, funct
 INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.inference_mode)"
 SAVED_HOOKS = ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks, "
                "save_on_cpu): a graph would save its tensors without them")
+
+
+def deferred_body(fn: object) -> str | None:
+    """What kind of function ``fn`` is if its body runs after the call returns (a
+    generator or an async function: outside a graph, or a region, entered around the
+    call), else None."""
+    return ("an async generator function" if inspect.isasyncgenfunction(fn) else
+            "a generator function" if inspect.isgeneratorfunction(fn) else
+            "an async function" if inspect.iscoroutinefunction(fn) else None)

@@ -14,6 +14,7 @@ from .engines import check_argument_keys
 from .functions import GraphedFunction, _bound_self, _graphed_parent, _rewrap_function
 from .options import Options
 from .proxy import GraphedModule, _rewrap
+from .vocab import deferred_body
 
 __all__ = ["wrap"]
 
@@ -42,9 +43,7 @@ def _refuse(obj: Any) -> None:
                 f"the decorator's options); call the module as it is, or remove the "
                 f"decorator to wrap the instance with other options")
     fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-    kind = ("an async generator function" if inspect.isasyncgenfunction(fn) else
-            "a generator function" if inspect.isgeneratorfunction(fn) else
-            "an async function" if inspect.iscoroutinefunction(fn) else None)
+    kind = deferred_body(fn)
     if kind is not None:
         raise TypeError(
             f"autograph.graphed cannot graph {kind} ({getattr(fn, '__qualname__', fn)!r}): "

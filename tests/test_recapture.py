@@ -100,3 +100,27 @@ def test_reset_forgets_the_known_keys(standin):
         autograph.reset(g)
         _run(g, m)
     assert _counts(g)[:2] == (2, 2)
+
+
+def check_an_lstm_graphs_again_after_its_parameters_are_replaced(device="cpu"):
+    """A key known before an invalidation is captured again without warming up; an
+    RNN's forward sets its flat weights up once after its parameters were replaced,
+    which that capture saw as an assignment: the key ran eagerly for good."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, batch_first=True).to(device).eval()
+    g = autograph.graphed(lstm)
+    with torch.no_grad():
+        for _ in range(4):
+            g(torch.randn(2, 5, 8, device=device))
+        g.load_state_dict({k: v * 0.5 for k, v in lstm.state_dict().items()}, assign=True)
+        before = autograph.stats(g)["replays"]
+        for _ in range(8):
+            x = torch.randn(2, 5, 8, device=device)
+            out = g(x)[0]
+            with autograph.disabled():
+                torch.testing.assert_close(out, lstm(x)[0])
+    assert autograph.stats(g)["replays"] - before >= 4, autograph.stats(g)
+
+
+def test_an_lstm_graphs_again_after_its_parameters_are_replaced(standin):
+    check_an_lstm_graphs_again_after_its_parameters_are_replaced()

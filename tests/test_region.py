@@ -298,3 +298,21 @@ def test_methods_returning_the_module_or_yielding_stay_graphed(standin):
     assert len(rest) == 1
     s = autograph.stats(g)
     assert s["calls"] == 6 + 6 + 2 and s["replays"] >= 10, s
+
+
+def test_a_region_refuses_to_decorate_generators_and_async_functions():
+    """Their bodies run after the call returns, outside the region: the region graphed
+    nothing and said nothing; refused as ``graphed`` refuses them."""
+    def steps(model, x):
+        yield model(x)
+
+    async def step(model, x):
+        return model(x)
+
+    async def stream(model, x):
+        yield model(x)
+
+    for fn, kind in ((steps, "a generator function"), (step, "an async function"),
+                     (stream, "an async generator function")):
+        with pytest.raises(TypeError, match=f"cannot decorate {kind} "):
+            autograph.capture_region()(fn)

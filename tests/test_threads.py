@@ -281,3 +281,24 @@ def test_a_call_waiting_on_a_worker_threads_graphed_call_does_not_hang(standin, 
         assert done.wait(60), "the graphed call hung"
     assert not failures, failures
     assert autograph.stats(branch)["replays"] >= 2, autograph.stats(branch)
+
+
+def test_a_graph_dropped_by_another_thread_during_a_replay(standin):
+    """Another thread's ``reset`` (or a region's new options) dropped the entry's graph
+    between its replay and the engine reading it: a held output (``outputs="reuse"``)
+    raised ``AttributeError: 'NoneType' object has no attribute 'held_reason'``."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+    g = autograph.graphed(model, outputs="reuse", warmup=0)
+    with torch.no_grad():
+        kept = [g(torch.randn(3, 6)) for _ in range(3)]  # held: the next replay is refused
+        (entry,) = g._self_engine.cache.entries.values()
+        run = entry.run
+
+        def dropped_meanwhile(leaves):
+            entry.graph = None  # as cache.forget_graph does on another thread
+            return run(leaves)
+
+        entry.run = dropped_meanwhile
+        x = torch.randn(3, 6)
+        torch.testing.assert_close(g(x), model(x))
+    assert kept[0] is not None

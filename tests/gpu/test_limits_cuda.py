@@ -34,8 +34,10 @@ from ..test_backward import (
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
     check_a_sampling_step_keeps_its_buckets,
+    check_a_write_the_first_call_did_not_make_reaches_the_caller,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
     check_padded_outputs_have_eager_layout,
+    check_padding_ends_where_the_padded_calls_run_eagerly,
     check_the_padding_check_leaves_the_generator_as_it_found_it,
 )
 from ..test_guards import (
@@ -61,6 +63,7 @@ from ..test_objects import (
     check_output_that_is_an_objects_tensor,
     check_training_a_model_that_returns_a_dynamic_cache,
 )
+from ..test_recapture import check_an_lstm_graphs_again_after_its_parameters_are_replaced
 from ..test_region import check_methods_graph_their_submodule_calls
 from ..test_rng import (
     _setters,
@@ -423,3 +426,15 @@ def test_a_custom_operator_that_draws_is_not_verified_nor_given_variants():
 
 def test_swapped_parameters_after_training_calls():
     check_swapped_parameters_after_training_calls("cuda")
+
+
+def test_a_write_the_first_call_did_not_make_reaches_the_caller():
+    check_a_write_the_first_call_did_not_make_reaches_the_caller("cuda")
+
+
+def test_padding_ends_where_the_padded_calls_run_eagerly():
+    check_padding_ends_where_the_padded_calls_run_eagerly("cuda")
+
+
+def test_an_lstm_graphs_again_after_its_parameters_are_replaced():
+    check_an_lstm_graphs_again_after_its_parameters_are_replaced("cuda")

@@ -89,9 +89,8 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         # left it where it was: the call sets it (the same numbers every call)
         entry.give_up(EagerReason.RNG_SET, rng.RESETS)
         return warmed.out
-    if warmed.drew is rng.Move.DREW:
-        entry.draws = True  # (also a custom operator's draws, which carry no tag)
-        entry.rng_drew = entry.rng_drew or bool(warmed.seeded)
+    if warmed.drew is rng.Move.DREW and warmed.seeded:  # its own operators moved it
+        entry.rng_drew = True  # (not another thread's draws meanwhile)
     entry.runs += 1
     if entry.shaped:  # the structure of a key captured: its learning warmup is enough
         entry.runs = max(entry.runs, options.warmup)
@@ -175,8 +174,8 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             # one succeeds (they write as eager does), then capture
             entry.runs, entry.direct, entry.warm_first = 0, False, True
             raise
-        if entry.draws:  # drawn by an operator without the random tag (a custom one):
-            captured.seeded = True  # no variants, no verification, as for dropout
+        if entry.draws:  # drawn by an operator without the random tag (a custom one),
+            captured.seeded = True  # found by its capture: no variants, no verification
         if modes(device) != key.modes or engine.watch.training_changes != changes:
             # another thread changed a process-wide flag (the default dtype, matmul
             # precision) or a module's training flag while this call was captured: the

@@ -246,6 +246,11 @@ class StandinBackend:
                     exc, self.fail_next = self.fail_next, None
                     raise exc
                 out = fn()
+            if rng_free and not torch.equal(torch.random.get_rng_state(), generator):
+                # as CUDA: the generator was left out of the capture (capture._begin),
+                # and a draw from it raises
+                raise RuntimeError("Attempt to increase offset for a CUDA generator not in "
+                                   "capture mode.")
         finally:
             self._local.capturing = False
             torch.random.set_rng_state(generator)

@@ -3,6 +3,8 @@ only draw replay with eager's numbers under the same seeds.  Through the stand-i
 whose capture, like a CUDA one, advances no generator; the ``check_*`` bodies run on
 CUDA too (tests/gpu/test_limits_cuda.py)."""
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -119,3 +121,25 @@ def check_a_custom_operator_that_draws_is_not_verified_nor_given_variants(device
 
 def test_a_custom_operator_that_draws_is_not_verified_nor_given_variants(standin):
     check_a_custom_operator_that_draws_is_not_verified_nor_given_variants("cpu")
+
+
+def test_another_threads_draws_during_a_warmup_are_not_the_calls(standin):
+    """The generator moving during a warmup is no sign that the call draws: another
+    thread may draw meanwhile.  The call is still captured without the generator, so
+    that thread's draws keep working during captures."""
+    calls = [0]
+
+    def f(x):
+        calls[0] += 1
+        if calls[0] <= 2:  # during the warmups: another thread draws
+            worker = threading.Thread(target=lambda: torch.rand(8))
+            worker.start()
+            worker.join()
+        return x * 2
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4)
+            torch.testing.assert_close(g(x), x * 2)
+    assert standin.rng_free[0] is True and autograph.stats(g)["replays"] >= 1

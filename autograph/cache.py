@@ -59,7 +59,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
-        "syncs", "assigned_once", "kept_at", "cold", "hooked", "rng_drew",
+        "syncs", "assigned_once", "kept_at", "cold", "hooked", "rng_drew", "rng_set_once",
     )
 
     def __init__(self) -> None:
@@ -102,6 +102,7 @@ class Entry:
         # its learning warmup's own random operators moved the device's generator: a
         # later warmup that leaves it still shows the call setting it (rng.py)
         self.rng_drew = False
+        self.rng_set_once = False  # a warmup saw the generator set: learned again once
 
     def replayed(self) -> bool:
         """Whether this entry's graph was used after it was kept (replayed)."""

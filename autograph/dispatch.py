@@ -291,13 +291,16 @@ class Engine:
         return list(self.watch.tensors())
 
     def gave_up(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether the key of these arguments runs eagerly for good (a bucketer then
-        stops padding: a padded call that never replays only risks its results)."""
+        """Whether the key of these arguments runs eagerly for good because its capture
+        failed (its Python reads tensor values, say): a bucketer then stops padding, as
+        a padded call that never replays only risks its results.  Not for what holds
+        for one call only (a hook, a mode) or reasons padding has no part in."""
         try:
             entry = self.cache.entries.get(self._key(args, kwargs)[0])
         except Uncapturable:
-            return True
-        return entry is not None and entry.state is State.EAGER
+            return False
+        return entry is not None and entry.state is State.EAGER \
+            and entry.reason is EagerReason.CAPTURE_FAILED
 
     def eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The original call, uncounted (under the watch, in a profiler range)."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from . import rng
 from .arguments import Arguments, Key
 from .padding import (
     Batch,
@@ -144,19 +145,19 @@ def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RandomState:
     buckets)."""
     if threading.active_count() > 1:
         return []
-    state = [(torch.device("cpu"), torch.get_rng_state())]
-    devices = {t.device for t in (*args, *kwargs.values())
-               if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
-    state += [(d, torch.cuda.get_rng_state(d)) for d in devices]
-    return state
+    # through the generators, not ``torch.get_rng_state``: an enclosing graphed call's
+    # warmup spies on that (``lifecycle.StateReads``) and would take the check for the
+    # call's own
+    devices = {torch.device("cpu"), *(t.device for t in (*args, *kwargs.values())
+                                      if isinstance(t, torch.Tensor) and t.device.type == "cuda")}
+    return [(d, gen.get_state()) for d in devices if (gen := rng.generator(d)) is not None]
 
 
 def _set_random_state(state: RandomState) -> None:
     for device, value in state:
-        if device.type == "cpu":
-            torch.set_rng_state(value)
-        else:
-            torch.cuda.set_rng_state(value, device)
+        gen = rng.generator(device)
+        if gen is not None:
+            gen.set_state(value)
 
 
 # the check's own random values (drawn on the host: the global generators are the

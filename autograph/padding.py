@@ -66,10 +66,11 @@ def copy_back(padded: tuple[tuple[Any, ...], dict[str, Any]], batch: Batch, writ
     """After a call on new padded tensors (``padded_call``): the real rows of the batch
     arguments at ``written`` (indexes into ``batch``) go back to the caller's tensors."""
     new_args, new_kwargs = padded
-    for i in written:
-        key, t, dim = batch[i]
-        src = new_args[key] if isinstance(key, int) else new_kwargs[key]
-        t.copy_(src.narrow(dim, 0, real))
+    with torch.no_grad():  # (a leaf requiring grad, written under no_grad inside the call)
+        for i in written:
+            key, t, dim = batch[i]
+            src = new_args[key] if isinstance(key, int) else new_kwargs[key]
+            t.copy_(src.narrow(dim, 0, real))
 
 
 def versions_of(tensors: list[torch.Tensor]) -> list[int | None]:

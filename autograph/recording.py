@@ -68,6 +68,13 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         # nothing autograd recorded leaves the call (and no argument gets a .grad,
         # which a static buffer standing in for it would take): one plain graph
         entry.contained = True
+    if (warmed.problem is not None and warmed.problem.reason is EagerReason.RNG_SET
+            and not entry.rng_set_once) or (
+            warmed.drew is rng.Move.STILL and entry.rng_drew and not entry.rng_set_once):
+        # once may be another thread seeding meanwhile, or a draw made once (a lazy
+        # random set-up): learn again; twice, the call sets the generator itself
+        entry.rng_set_once, entry.rng_drew, entry.runs = True, False, 0
+        return warmed.out
     if warmed.problem is not None:  # the call ran; graphs would get it wrong
         if isinstance(warmed.problem, training.HooksPresent):
             # eager while hooked, warming up again once they are removed

@@ -144,6 +144,11 @@ def deferred_body(fn: object) -> str | None:
     """What kind of function ``fn`` is if its body runs after the call returns (a
     generator or an async function: outside a graph, or a region, entered around the
     call), else None."""
-    return ("an async generator function" if inspect.isasyncgenfunction(fn) else
-            "a generator function" if inspect.isgeneratorfunction(fn) else
-            "an async function" if inspect.iscoroutinefunction(fn) else None)
+    call = fn if inspect.isroutine(fn) or not callable(fn) else type(fn).__call__
+    for f in (fn, call):  # a callable object: its class's __call__
+        kind = ("an async generator function" if inspect.isasyncgenfunction(f) else
+                "a generator function" if inspect.isgeneratorfunction(f) else
+                "an async function" if inspect.iscoroutinefunction(f) else None)
+        if kind is not None:
+            return kind
+    return None

@@ -536,3 +536,61 @@ def test_an_argument_the_padding_check_cannot_see_says_so(standin):
             torch.testing.assert_close(step(x, caches), x * 2 + 2)
     s = autograph.stats(step)
     assert s["buckets"] == {} and "argument of type list" in s["padding"], s
+
+
+def check_one_calls_conditions_leave_padding_on(device="cpu"):
+    """A forward hook for one call (the key runs eagerly for that call) turned padding
+    off for good, as did a leaf requiring grad written under ``no_grad`` inside a
+    padded call (the hand-back raised where eager does not)."""
+    model = nn.Linear(4, 4).to(device)
+    g = autograph.graphed(model, buckets=[4, 8])
+    with torch.no_grad():
+        for n in (3, 3, 3, 3):
+            g(torch.randn(n, 4, device=device))
+        handle = model.register_forward_hook(lambda m, i, o: None)
+        x = torch.randn(3, 4, device=device)
+        torch.testing.assert_close(g(x), model(x))
+        handle.remove()
+        for n in (3, 3, 5, 6, 7):
+            x = torch.randn(n, 4, device=device)
+            torch.testing.assert_close(g(x), model(x))
+    s = autograph.stats(g)
+    assert s["padding"] is None and s["graphs"] <= 2, s
+
+    def clamp(x):
+        if x.shape[0] > 2:
+            with torch.no_grad():
+                x.clamp_(-1, 1)
+        return x * 2
+
+    f = autograph.graphed(clamp, buckets=[4])
+    for _ in range(3):
+        x = torch.randn(3, 2, device=device, requires_grad=True)
+        want = (x.detach() * 3).requires_grad_()
+        got = want.detach().clone().requires_grad_()
+        torch.testing.assert_close(f(got), clamp(want))
+        torch.testing.assert_close(got, want)
+
+
+def test_one_calls_conditions_leave_padding_on(standin):
+    check_one_calls_conditions_leave_padding_on()
+
+
+def test_a_bucketed_module_inside_a_graphed_call_draws_as_it_does(standin):
+    """The padding check read the generators through ``torch.get_rng_state``, which an
+    enclosing graphed call's warmup spies on: the outer call ran eagerly for good
+    (``reads_rng_state``) once its inner module had buckets and dropout."""
+    inner = autograph.graphed(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)), buckets=[4, 8])
+
+    @autograph.graphed
+    def outer(x):
+        return inner(x) * 2
+
+    with torch.no_grad():
+        # the first: inner learns; then 5 in bucket 8 (inner's check sets the generator
+        # back during one of outer's warmups: learned again)
+        for b in (3, 5, 5, 5, 5, 5, 5, 5):
+            outer(torch.randn(b, 8))
+    s = autograph.stats(outer)
+    assert s["replays"] >= 2 and not {"reads_rng_state", "sets_rng_state"} & set(
+        s["eager_reasons"]), s

@@ -316,3 +316,13 @@ def test_a_region_refuses_to_decorate_generators_and_async_functions():
                      (stream, "an async generator function")):
         with pytest.raises(TypeError, match=f"cannot decorate {kind} "):
             autograph.capture_region()(fn)
+
+
+def test_a_region_refuses_a_callable_object_whose_call_is_async():
+    class Handler:
+        async def __call__(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="cannot decorate an async function"):
+        autograph.capture_region()(Handler())
+    autograph.capture_region()(nn.Linear(2, 2))  # a module's __call__ is not

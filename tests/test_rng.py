@@ -67,7 +67,13 @@ def _setters(device):
         gen.set_state(state)
         return first - torch.rand_like(x)
 
-    return [seeds_inside, sets_the_generator_object]
+    def restores_at_the_end(x):  # eager: the same noise every call, the generator kept
+        state = gen.get_state()
+        noise = torch.randn_like(x)
+        gen.set_state(state)
+        return x + noise
+
+    return [seeds_inside, sets_the_generator_object, restores_at_the_end]
 
 
 def check_a_call_setting_the_generator_runs_eagerly(device, fn, seed_before):
@@ -96,7 +102,7 @@ def _restores_a_saved_state(x):  # the CPU generator's setter by another name
     return x + first - torch.randn_like(x)  # eager: x
 
 
-@pytest.mark.parametrize("which", [0, 1, 2])
+@pytest.mark.parametrize("which", [0, 1, 2, 3])
 @pytest.mark.parametrize("seed_before", [True, False])
 def test_a_call_setting_the_generator_runs_eagerly(standin, which, seed_before):
     fn = [*_setters("cpu"), _restores_a_saved_state][which]
@@ -143,3 +149,37 @@ def test_another_threads_draws_during_a_warmup_are_not_the_calls(standin):
             x = torch.randn(4)
             torch.testing.assert_close(g(x), x * 2)
     assert standin.rng_free[0] is True and autograph.stats(g)["replays"] >= 1
+
+
+def test_a_seed_set_once_elsewhere_or_a_draw_made_once_is_learned_again(standin):
+    """Another thread seeding during one warmup, or a call drawing only at its first
+    call (a random projection made lazily): the call does not set the generator
+    itself, and is graphed after learning again."""
+    state = {}
+
+    def lazy(x):
+        if "proj" not in state:
+            state["proj"] = torch.randn(4, 4)
+        return x @ state["proj"]
+
+    calls = [0]
+
+    def seeded_elsewhere(x):
+        calls[0] += 1
+        if calls[0] == 1:  # another thread seeds meanwhile
+            worker = threading.Thread(target=lambda: torch.manual_seed(123))
+            worker.start()
+            worker.join()
+        return torch.nn.functional.dropout(x, 0.5, training=True)
+
+    for fn in (lazy, seeded_elsewhere):
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(8):  # (one more warmup: learned again)
+                out = g(torch.randn(2, 4))
+        if fn is lazy:
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), x @ state["proj"])
+        s = autograph.stats(g)
+        assert s["replays"] >= 2 and "sets_rng_state" not in s["eager_reasons"], s
+        assert out.shape == (2, 4)

@@ -36,6 +36,7 @@ from ..test_buckets import (
     check_a_sampling_step_keeps_its_buckets,
     check_a_write_the_first_call_did_not_make_reaches_the_caller,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
+    check_one_calls_conditions_leave_padding_on,
     check_padded_outputs_have_eager_layout,
     check_padding_ends_where_the_padded_calls_run_eagerly,
     check_the_padding_check_leaves_the_generator_as_it_found_it,
@@ -409,7 +410,7 @@ def test_an_argument_object_inside_a_returned_object_is_the_calls_own():
     check_an_argument_object_inside_a_returned_object_is_the_calls_own("cuda")
 
 
-@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("which", [0, 1, 2])
 @pytest.mark.parametrize("seed_before", [True, False])
 def test_a_call_setting_the_generator_runs_eagerly(which, seed_before):
     fn = _setters("cuda")[which]
@@ -438,3 +439,7 @@ def test_padding_ends_where_the_padded_calls_run_eagerly():
 
 def test_an_lstm_graphs_again_after_its_parameters_are_replaced():
     check_an_lstm_graphs_again_after_its_parameters_are_replaced("cuda")
+
+
+def test_one_calls_conditions_leave_padding_on():
+    check_one_calls_conditions_leave_padding_on("cuda")

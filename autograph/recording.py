@@ -68,9 +68,11 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         # nothing autograd recorded leaves the call (and no argument gets a .grad,
         # which a static buffer standing in for it would take): one plain graph
         entry.contained = True
-    if (warmed.problem is not None and warmed.problem.reason is EagerReason.RNG_SET
-            and not entry.rng_set_once) or (
-            warmed.drew is rng.Move.STILL and entry.rng_drew and not entry.rng_set_once):
+    # its learning warmup's own random operators moved the generator; this one left
+    # it where it was: the call sets it (the same numbers every call)
+    resets = warmed.drew is rng.Move.STILL and entry.rng_drew
+    sets = warmed.problem is not None and warmed.problem.reason is EagerReason.RNG_SET
+    if (resets or sets) and not entry.rng_set_once:
         # once may be another thread seeding meanwhile, or a draw made once (a lazy
         # random set-up): learn again; twice, the call sets the generator itself
         entry.rng_set_once, entry.rng_drew, entry.runs = True, False, 0
@@ -91,9 +93,7 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
             return warmed.out
         entry.give_up(warmed.problem.reason, warmed.problem.detail)
         return warmed.out
-    if warmed.drew is rng.Move.STILL and entry.rng_drew:
-        # its learning warmup's own random operators moved the generator; this one
-        # left it where it was: the call sets it (the same numbers every call)
+    if resets:
         entry.give_up(EagerReason.RNG_SET, rng.RESETS)
         return warmed.out
     if warmed.drew is rng.Move.DREW and warmed.seeded:  # its own operators moved it

@@ -156,12 +156,14 @@ def test_other_threads_changes_to_a_module_list_are_kept(standin):
     net = _Logged().eval()
     g = autograph.graphed(net)
     go, stop, appended = threading.Event(), threading.Event(), [0]
+    running = threading.Event()
 
     def append():
         go.wait()
         while not stop.is_set():
             net.history.append(appended[0])
             appended[0] += 1
+            running.set()
 
     t = threading.Thread(target=append)
     t.start()
@@ -169,8 +171,9 @@ def test_other_threads_changes_to_a_module_list_are_kept(standin):
         with torch.no_grad():
             for step in range(6):
                 x = torch.randn(4, 16)
-                if step == 2:
-                    go.set()
+                if step == 2:  # the appends under way before the call (on CI's two
+                    go.set()  # cores the thread ran only after stop, at times)
+                    running.wait(10)
                 out = g(x)
                 if step == 3:
                     stop.set()

@@ -36,6 +36,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import padcheck, padslots, routes
 from . import switch as _switch
@@ -143,6 +144,11 @@ class Bucketer:
         size = self.sizes[i]
         if shares_memory(args, kwargs, batch):  # padding would copy one of the two apart
             return self.engine.dispatch(args, kwargs)
+        if size != real and self.ranks is None and self._records(args, kwargs):
+            # the padded rows would run through the backward too: a derivative infinite
+            # at a padding value (``sqrt`` of a zero row) times their zero gradient is a
+            # NaN in every parameter's gradient.  A call of its own size instead
+            return self.engine.dispatch(args, kwargs)
         if self.ranks is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("%s: rank %d step %d: batch %d, largest of the ranks %d, bucket %d",
                          self.stats.name, self.ranks.rank(), self.ranks.step + 1, real,
@@ -172,6 +178,15 @@ class Bucketer:
                       real)
         self.stats.count_bucket(size, real, eager=self.stats.eager != eager_before)
         return out
+
+    def _records(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether autograd records the call: grad mode, and a tensor argument, a
+        parameter or a buffer that requires grad."""
+        if not torch.is_grad_enabled():
+            return False
+        return self.engine.watch.requires_grad() or any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in pytree.tree_leaves((args, kwargs)))
 
     def _padded(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
                 size: int, real: int, learned: Learned) -> Any:

@@ -219,7 +219,7 @@ def output_builder(
     if spliced is not None:
         return _with_objects(spec, makers, shared, spliced, pool_outputs)
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]) \
-            and not _faithful(flat[0]):
+            and not _faithful(flat[0]) and _plain_output(flat[0]):
         out0 = flat[0]
         hand_out = out0.detach if reuse else out0.clone
 
@@ -401,7 +401,10 @@ def _leaf_maker(
         return _persistent_maker(value, themselves)
 
     clone: Callable[[list[Any]], torch.Tensor]
-    if reuse:
+    if not _plain_output(value):
+        clone = _as_made(value, _leaf_maker(
+            value.as_subclass(torch.Tensor).detach(), {}, set(), reuse))
+    elif reuse:
         def clone(_leaves: list[Any]) -> torch.Tensor:  # an alias: no copy
             return value.detach()
     elif _faithful(value):
@@ -412,6 +415,30 @@ def _leaf_maker(
 
     clone._clone = True  # type: ignore[attr-defined]
     return clone
+
+
+def _plain_output(value: torch.Tensor) -> bool:
+    """Whether a copy of the output is what eager returns: a plain tensor, not one
+    marked ``requires_grad_()`` by the call (a leaf made under ``no_grad``), not a
+    subclass (``nn.Parameter(x * 2)``, ``as_subclass``)."""
+    return type(value) is torch.Tensor and not (value.requires_grad and value.is_leaf)
+
+
+def _as_made(value: torch.Tensor, copy: Callable[[list[Any]], torch.Tensor]
+             ) -> Callable[[list[Any]], torch.Tensor]:
+    """``copy`` (of a plain tensor), made the class of ``value`` again with its
+    ``requires_grad`` (one carrying Python attributes runs eagerly: ``lifecycle``)."""
+    cls, grad = type(value), value.requires_grad and value.is_leaf
+
+    def made(leaves: list[Any]) -> torch.Tensor:
+        t = copy(leaves)
+        if issubclass(cls, torch.nn.Parameter):
+            return cls(t, requires_grad=grad)  # type: ignore[no-any-return]
+        if cls is not torch.Tensor:
+            t = t.as_subclass(cls)
+        return t.requires_grad_() if grad and t.is_leaf and not t.requires_grad else t
+
+    return made
 
 
 def _persistent_maker(value: torch.Tensor, themselves: set[int] | frozenset[int]

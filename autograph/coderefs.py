@@ -18,6 +18,7 @@ import enum
 import functools
 import inspect
 import math
+import sys
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -170,6 +171,11 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             # the name itself (rebound to another class), then the values it holds
             out.append((_global_getter(glb, name), value))
             out += _class_values(value, attributes)
+        elif _namespace(value):
+            if attributes is None:
+                attributes = _code_names(code)
+            out.append((_global_getter(glb, name), value))
+            out += _namespace_values(value, attributes)
     for cell in (getattr(fn, "__closure__", None) or ()) if cells else ():
         try:
             value = cell.cell_contents
@@ -178,6 +184,32 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
         if _trackable(value) or _function(value):
             out.append((_cell_getter(cell), value))
     return out
+
+
+def _namespace(value: Any) -> bool:
+    """A user's module or plain object named as a global for the settings it holds
+    (``import config; config.SCALE``, a ``SimpleNamespace``, a dataclass instance):
+    not the standard library's, torch's or numpy's."""
+    if isinstance(value, types.ModuleType):
+        top = value.__name__.partition(".")[0]
+    elif isinstance(value, types.SimpleNamespace):
+        return True
+    elif _plain_object(value) and not isinstance(value, type):
+        top = type(value).__module__.partition(".")[0]
+    else:
+        return False
+    return top not in sys.stdlib_module_names and top not in _LIBRARIES
+
+
+_LIBRARIES = frozenset({"torch", "numpy", "builtins", "autograph", "typing_extensions", "wrapt"})
+
+
+def _namespace_values(obj: Any, names: Iterable[str]) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the plain values, tensors and modules a namespace holds under
+    ``names`` (read from its ``__dict__``: no property runs)."""
+    d = vars(obj)
+    return [(_global_getter(d, n), d[n]) for n in sorted(names)
+            if not n.startswith("__") and n in d and _trackable(d[n])]
 
 
 def _function(value: Any) -> bool:

@@ -22,6 +22,7 @@ captured into the forward's pool.  It gives autograd its gradients in one of two
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from .vocab import logger
 
 use_count = getattr(torch._C, "_storage_Use_Count", None)
 _lt = int.__lt__
+_refcount = sys.getrefcount
 
 
 @contextlib.contextmanager
@@ -85,7 +87,8 @@ def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
 class GradGraph:
     """A captured backward graph and the buffers it reads and writes."""
 
-    __slots__ = ("graph", "grad_in", "grad_out", "handout", "holders", "counts")
+    __slots__ = ("graph", "grad_in", "grad_out", "handout", "holders", "counts", "storages",
+                 "refs")
 
     def __init__(self, graph: Any, grad_in: list[torch.Tensor],
                  grad_out: list[torch.Tensor | None], handout: bool) -> None:
@@ -96,16 +99,24 @@ class GradGraph:
         # nothing handed out
         self.holders: tuple[int, ...] = ()
         self.counts: tuple[int, ...] = ()
+        # the storage objects too (``g.untyped_storage()`` hands back this very object):
+        # a caller keeping an earlier gradient's storage only adds a Python reference
+        self.storages: tuple[Any, ...] = ()
+        self.refs: tuple[int, ...] = ()
         if handout and use_count is not None:
-            self.holders = tuple(g.untyped_storage()._cdata for g in grad_out if g is not None)
+            self.storages = tuple(g.untyped_storage() for g in grad_out if g is not None)
+            self.holders = tuple(s._cdata for s in self.storages)
             self.counts = tuple(map(use_count, self.holders))
+            self.refs = tuple(map(_refcount, self.storages))
         else:
             handout = False
         self.handout = handout
 
     def held(self) -> bool:
         """Whether a replay would overwrite a gradient handed out earlier and still held."""
-        return any(map(_lt, self.counts, map(use_count, self.holders)))  # type: ignore
+        counts = map(use_count, self.holders)  # type: ignore[arg-type]
+        return any(map(_lt, self.counts, counts)) \
+            or any(map(_lt, self.refs, map(_refcount, self.storages)))
 
     def run(self, wanted: list[Any]) -> list[torch.Tensor | None] | None:
         """Copy the output gradients in, replay, hand out the targets' gradients; None

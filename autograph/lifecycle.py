@@ -38,6 +38,7 @@ from .guards import Watch, running
 from .modes import modes
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Bumps, Captured, use_count
+from .returned import opened
 from .steps import Stepped
 from .versions import versions
 from .vocab import EagerReason, Uncapturable
@@ -144,7 +145,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.forget_assignments()
-    host = _host_random_state(device) if learn else None
+    gens = rng.host_generators(fn, watch.every_module()) if learn else ()
+    host = _host_random_state(device, gens) if learn else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
     flags = modes(device) if learn else None
@@ -173,7 +175,9 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             # draw nothing in some calls, as a GRU's with dropout 0 while training)
             raise Uncapturable(EagerReason.RNG_SET, rng.SETS)
         tensors = _tensor_leaves(out)
-        _check(watch, tensors, host, device)
+        _check(watch, tensors, host, device, gens)
+        if torch.is_grad_enabled() and requires_grad(out):  # inside an object
+            raise Uncapturable(EagerReason.AUTOGRAD, OUTPUT_REQUIRES_GRAD)
         _check_objects(flat)
         _check_geometry(flat.leaves, flat.tensor_pos, shapes)
         if learn:
@@ -206,7 +210,11 @@ def _tensor_leaves(out: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
 
-def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.device) -> None:
+OUTPUT_REQUIRES_GRAD = "an output requires grad (a tensor the call reads requires grad)"
+
+
+def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.device,
+           gens: tuple[Any, ...] = ()) -> None:
     """Raise for what a warmup run showed a graph would get wrong (``outs``: the
     output tensors)."""
     assigned = watch.assigned_and_kept()
@@ -214,11 +222,10 @@ def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.devi
         raise AttributeSet(EagerReason.ASSIGNS, assigned)
     if watch.script_assigns:
         raise Uncapturable(EagerReason.ASSIGNS, watch.script_assigns)
-    if host is not None and _host_random_state(device) != host:
+    if host is not None and _host_random_state(device, gens) != host:
         raise Uncapturable(EagerReason.HOST_RANDOM)
     if torch.is_grad_enabled() and any(t.requires_grad for t in outs):
-        raise Uncapturable(EagerReason.AUTOGRAD, "an output requires grad (a tensor the "
-                           "call reads requires grad)")
+        raise Uncapturable(EagerReason.AUTOGRAD, OUTPUT_REQUIRES_GRAD)
     if any(t.layout is not torch.strided or t.is_nested for t in outs):
         raise Uncapturable(EagerReason.OUTPUT, "a sparse or nested output")
     if any(t.grad_fn is not None for t in outs):  # grad turned on inside, under no_grad
@@ -227,8 +234,10 @@ def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.devi
 
 
 def requires_grad(out: Any) -> bool:
-    """Whether a tensor among the outputs requires grad."""
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+    """Whether a tensor among the outputs requires grad, one of an object the call
+    made included (``Box(self.l(x))``, a ``Normal``: pytree does not open them)."""
+    return any(isinstance(t, torch.Tensor) and t.requires_grad
+               for t in opened(pytree.tree_leaves(out)))
 
 
 def _geometry(leaves: Any, positions: tuple[int, ...]) -> list[tuple[Any, ...]]:
@@ -363,9 +372,10 @@ class StateReads:
             raise Uncapturable(EagerReason.RNG_STATE)
 
 
-def _host_random_state(device: torch.device) -> tuple[Any, ...]:
+def _host_random_state(device: torch.device, gens: tuple[Any, ...] = ()) -> tuple[Any, ...]:
     """The host generators a forward might draw from to decide what to run (torch's
-    CPU generator is the device's own when the graph runs on the CPU stand-in)."""
+    CPU generator is the device's own when the graph runs on the CPU stand-in), and
+    the generator objects it reaches by name (``gens``, ``rng.host_generators``)."""
     state: list[Any] = [random.getstate()]
     if device.type != "cpu":
         state.append(bytes(torch.random.default_generator.get_state().numpy()))
@@ -373,7 +383,7 @@ def _host_random_state(device: torch.device) -> tuple[Any, ...]:
     if np is not None:
         with contextlib.suppress(Exception):
             state.append(np.random.get_state()[2])  # the position in the stream
-    return tuple(state)
+    return (*state, *rng.host_state(gens))
 
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
@@ -411,7 +421,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     recorder = WriteRecorder(watched, known)
     footprint = Footprint(known, device)  # what the graph needs of the pool
     watch.forget_assignments()
-    host = _host_random_state(device)
+    gens = rng.host_generators(fn, watch.every_module())
+    host = _host_random_state(device, gens)
     stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
 
     reads = StateReads(device)
@@ -444,7 +455,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if rng_free and recorder.seeded:  # its numbers would be frozen into the graph
         raise RandomFound()
     reads.check(recorder.seeded)
-    _check(watch, [], host, device)
+    _check(watch, [], host, device, gens)
     _check_held(held, restore=True)
     _check_objects(flat)
     # (a warmup's changes reach the caller's tensors; under grad mode a training

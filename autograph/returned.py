@@ -251,10 +251,16 @@ class _Walk:
         return ("object", cls, names, slots)
 
 
+# torch's classes whose instances are plain objects of tensors (a policy's ``Normal``)
+_DISTRIBUTIONS = "torch.distributions."
+
+
 def _plain_class(cls: type) -> bool:
     """A class whose instances copy as plain objects: defined in Python (not a builtin,
-    not torch's), no module or function, no copy protocol of its own."""
-    if cls.__module__ in ("builtins",) or cls.__module__.startswith("torch"):
+    not torch's but its distributions), no module or function, no copy protocol of its
+    own."""
+    if cls.__module__ in ("builtins",) or (cls.__module__.startswith("torch")
+                                          and not cls.__module__.startswith(_DISTRIBUTIONS)):
         return False
     if issubclass(cls, (torch.nn.Module, types.FunctionType, types.MethodType,
                         types.ModuleType, BaseException)):

@@ -16,9 +16,13 @@ is watched is the generator: its seed and position before and after each warmup
 from __future__ import annotations
 
 import enum
+import random
+import sys
 from typing import Any, NamedTuple
 
 import torch
+
+from . import coderefs
 
 SETS = "seen before one of its random operators"
 RESETS = "it draws the same numbers on every call"
@@ -78,3 +82,84 @@ def went_back(before: Mark, after: Mark) -> bool:
     if type(before.position) is int:
         return after.position < before.position  # type: ignore[no-any-return]
     return after.position != before.position  # type: ignore[no-any-return]
+
+
+# -- host generators --------------------------------------------------------------------
+def host_generators(fn: Any, modules: Any) -> tuple[Any, ...]:
+    """The host generator objects a call reaches by name, whose draws may decide what
+    it runs (``self.rng.random() < eps`` with a ``random.Random`` or a numpy
+    ``Generator``; a CPU ``torch.Generator``): those held as attributes of the watched
+    ``modules`` or of the graphed method's object, and those named as globals or
+    closure cells by the function's code or a module's ``forward``.  The global streams
+    are read by ``lifecycle`` itself."""
+    found: dict[int, Any] = {}
+
+    def add(values: Any) -> None:
+        for v in values:
+            if _host_generator(v):
+                found.setdefault(id(v), v)
+
+    codes: list[Any] = []
+    for m in modules:
+        add(vars(m).values())
+        forward = getattr(type(m), "forward", None)
+        if forward is not None and coderefs._user_class(type(m)):
+            codes.append(coderefs._unwrapped(forward))
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+        add(vars(owner).values())
+    codes.append(coderefs._unwrapped(fn))
+    for f in codes:
+        code, glb = getattr(f, "__code__", None), getattr(f, "__globals__", None)
+        if code is None or glb is None:
+            continue
+        loads, _ = coderefs._global_names(code)
+        add(glb.get(name) for name in loads)
+        add(_cell_values(getattr(f, "__closure__", None) or ()))
+    return tuple(found.values())
+
+
+def host_state(gens: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Where each of ``gens`` (:func:`host_generators`) stands, comparable with ``==``."""
+    return tuple(_frozen(_state_of(g)) for g in gens)
+
+
+def _host_generator(value: Any) -> bool:
+    if isinstance(value, random.Random):
+        return type(value).getstate is not random.SystemRandom.getstate
+    if isinstance(value, torch.Generator):
+        return value.device.type == "cpu"
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(
+        value, (np.random.Generator, np.random.RandomState, np.random.BitGenerator))
+
+
+def _state_of(gen: Any) -> Any:
+    if isinstance(gen, random.Random):
+        return gen.getstate()
+    if isinstance(gen, torch.Generator):
+        return bytes(gen.get_state().numpy())
+    if hasattr(gen, "bit_generator"):  # numpy Generator
+        return gen.bit_generator.state
+    if hasattr(gen, "get_state"):  # numpy RandomState
+        return gen.get_state(legacy=False)
+    return gen.state  # numpy BitGenerator
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` with its dicts as sorted tuples and its arrays as bytes (a numpy state
+    holds arrays, whose ``==`` has no plain truth value)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):
+        return tuple(_frozen(v) for v in value)
+    tobytes = getattr(value, "tobytes", None)
+    return tobytes() if callable(tobytes) else value
+
+
+def _cell_values(cells: Any) -> Any:
+    for cell in cells:
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue

@@ -1837,3 +1837,94 @@ def test_a_removed_backward_hook_gives_the_graphs_back(standin):
             torch.testing.assert_close(a.grad, b.grad)
     assert len(seen) == 4
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def check_a_gradient_kept_through_its_storage_is_not_overwritten(device="cpu"):
+    """A caller keeping an earlier step's ``.grad`` only through its storage object
+    (``p.grad.untyped_storage()``): the next backward replay does not write into it (its
+    use count is unchanged; its Python references are not)."""
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 3).to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    kept = []
+    for _ in range(6):
+        x = torch.randn(2, 4, device=device)
+        eager.zero_grad(set_to_none=True)
+        g.zero_grad(set_to_none=True)
+        eager(x).pow(2).sum().backward()
+        g(x).pow(2).sum().backward()
+        torch.testing.assert_close(g.weight.grad, eager.weight.grad)
+        kept.append((g.weight.grad.untyped_storage(), eager.weight.grad.clone()))
+        for storage, want in kept:
+            got = torch.empty(0, device=device).set_(storage, 0, (3, 4), (4, 1))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["backward_replays"] >= 2, s
+
+
+def test_a_gradient_kept_through_its_storage_is_not_overwritten(standin):
+    check_a_gradient_kept_through_its_storage_is_not_overwritten()
+
+
+class Box:
+    """A plain object the call makes around its output."""
+
+    def __init__(self, mu):
+        self.mu = mu
+
+
+class BoxedPolicy(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.l = nn.Linear(4, 6)
+        self.kind = kind
+
+    def forward(self, x):
+        h = self.l(x)
+        if self.kind == "box":
+            return Box(h)
+        mu, scale = h[:, :3], h[:, 3:].exp()
+        if self.kind == "normal":
+            return torch.distributions.Normal(mu, scale, validate_args=False)
+        return torch.distributions.Categorical(logits=h, validate_args=False)
+
+
+def _tensors_of(out, kind):
+    if kind == "box":
+        return [out.mu]
+    if kind == "normal":
+        return [out.loc, out.scale, out.log_prob(out.loc + 1)]
+    return [out.logits, out.probs, out.entropy()]
+
+
+def check_objects_made_by_a_training_call_take_gradients(device="cpu"):
+    """A call autograd records that returns an object it made around its tensors (a
+    plain object, a ``torch.distributions`` one, which a policy returns): the object
+    comes back, its tensors connected to the replayed Function (they were clones of
+    the capture's own autograd graph, whose backward raised) and gradients equal
+    eager's; under ``no_grad`` it replays too (it ran eagerly, ``unsupported_output``)."""
+    for kind in ("box", "normal", "categorical"):
+        torch.manual_seed(0)
+        model = BoxedPolicy(kind).to(device)
+        g = autograph.graphed(copy.deepcopy(model))
+        for _ in range(5):
+            x = torch.randn(5, 4, device=device)
+            for m in (model, g):
+                m.zero_grad(set_to_none=True)
+                sum(t.sum() for t in _tensors_of(m(x), kind)).backward()
+            torch.testing.assert_close(g.l.weight.grad, model.l.weight.grad)
+            torch.testing.assert_close(g.l.bias.grad, model.l.bias.grad)
+        with torch.no_grad():
+            for _ in range(6):
+                x = torch.randn(5, 4, device=device)
+                got, want = g(x), model(x)
+                assert type(got) is type(want)
+                for a, b in zip(_tensors_of(got, kind), _tensors_of(want, kind)):
+                    torch.testing.assert_close(a, b)
+        s = autograph.stats(g)
+        assert s["replays"] >= 4 and s["backward_replays"] >= 1 and not s["eager_reasons"].get(
+            "unsupported_output"), (kind, s)
+
+
+def test_objects_made_by_a_training_call_take_gradients(standin):
+    check_objects_made_by_a_training_call_take_gradients()

@@ -110,6 +110,44 @@ def test_module_state_updates_turn_padding_off():
     assert "module state" in autograph.stats(g)["padding"]
 
 
+class RowNorm(nn.Module):
+    """Each row's length: ``sqrt`` has an infinite derivative at a zero (padded) row."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x):
+        return self.lin(x).pow(2).sum(-1).sqrt()
+
+
+def check_calls_autograd_records_are_not_padded(device="cpu"):
+    """A call autograd records runs at its own size: padded rows would run through the
+    backward too, and a NaN (an infinite derivative times their zero gradient) would
+    reach every parameter's gradient."""
+    torch.manual_seed(0)
+    model = RowNorm().to(device)
+    g = autograph.graphed(copy.deepcopy(model), buckets=[4])
+    for _ in range(5):
+        x = torch.randn(3, 4, device=device)
+        for m in (model, g):
+            m.zero_grad()
+            m(x).sum().backward()
+        assert torch.isfinite(g.lin.weight.grad).all()
+        torch.testing.assert_close(g.lin.weight.grad, model.lin.weight.grad)
+    s = autograph.stats(g)
+    assert s["replays"] >= 1 and s["backward_replays"] >= 1, s
+    with torch.no_grad():  # inference calls are still padded
+        for _ in range(4):
+            x = torch.randn(3, 4, device=device)
+            torch.testing.assert_close(g(x), model(x))
+    assert autograph.stats(g)["buckets"], autograph.stats(g)
+
+
+def test_calls_autograd_records_are_not_padded(standin):
+    check_calls_autograd_records_are_not_padded()
+
+
 def check_a_sampling_step_keeps_its_buckets(device="cpu"):
     """The padding check runs the call as it is and padded from the same generator
     state (and leaves the state as it found it): a row-wise sampler keeps its buckets

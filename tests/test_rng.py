@@ -3,6 +3,8 @@ only draw replay with eager's numbers under the same seeds.  Through the stand-i
 whose capture, like a CUDA one, advances no generator; the ``check_*`` bodies run on
 CUDA too (tests/gpu/test_limits_cuda.py)."""
 
+import copy
+import random
 import threading
 
 import pytest
@@ -191,3 +193,59 @@ def test_random_operators_that_draw_nothing_leave_the_call_graphed(standin):
             torch.testing.assert_close(g(x), model(x))
     s = autograph.stats(g)
     assert s["replays"] >= 2 and "sets_rng_state" not in s["eager_reasons"], s
+
+
+HOST_RNG = random.Random(0)
+
+
+class EpsilonGreedy(nn.Module):
+    """Explores with a host generator object of its own (``self.rng.random() < eps``)."""
+
+    def __init__(self, rng):
+        super().__init__()
+        self.q = nn.Linear(4, 3)
+        self.rng = rng
+
+    def forward(self, obs):
+        q = self.q(obs)
+        if self.rng.random() < 0.5:
+            return torch.zeros_like(q[:, 0], dtype=torch.long)
+        return q.argmax(-1)
+
+
+def explores_through_a_global(x):
+    return x * 2 if HOST_RNG.random() < 0.5 else x
+
+
+def check_host_generator_objects_decide_eagerly(device="cpu"):
+    """A call deciding what to run by a draw from a host generator object (a module's
+    ``random.Random`` or numpy ``Generator``, a global one) runs eagerly
+    (``host_random``), as one drawing from the global streams: a graph would replay the
+    capture's decision and leave the generator where it was."""
+    import numpy as np
+
+    makers = [lambda: random.Random(0), lambda: np.random.default_rng(0),
+              lambda: np.random.RandomState(0)]
+    for make in makers:
+        torch.manual_seed(0)
+        model = EpsilonGreedy(make()).to(device)
+        twin = copy.deepcopy(model)
+        g = autograph.graphed(model)
+        with torch.no_grad():
+            for _ in range(12):
+                obs = torch.randn(2, 4, device=device) + 3
+                assert torch.equal(g(obs), twin(obs))
+        s = autograph.stats(g)
+        assert s["replays"] == 0 and s["eager_reasons"].get("host_random", 0) >= 1, s
+    g = autograph.graphed(explores_through_a_global)
+    HOST_RNG.seed(0)
+    twin_rng = random.Random(0)
+    for _ in range(12):
+        x = torch.randn(3, device=device)
+        want = x * 2 if twin_rng.random() < 0.5 else x
+        assert torch.equal(g(x), want)
+    assert autograph.stats(g)["eager_reasons"].get("host_random", 0) >= 1
+
+
+def test_host_generator_objects_decide_eagerly(standin):
+    check_host_generator_objects_decide_eagerly()

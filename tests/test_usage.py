@@ -2127,6 +2127,101 @@ def test_flags_read_through_classes_and_globals(standin):
     check_flags_read_through_classes_and_globals()
 
 
+# settings held by a user's module, a namespace and a dataclass instance, named as
+# globals by a function (``import config; config.SCALE``)
+USER_CONFIG = types.ModuleType("user_config")
+USER_CONFIG.SCALE = 1.0
+USER_NAMESPACE = types.SimpleNamespace(shift=0.0)
+
+
+@dataclasses.dataclass
+class RunCfg:
+    negate: bool = False
+
+
+RUN_CFG = RunCfg()
+
+
+def scaled_by_settings(x):
+    y = x * USER_CONFIG.SCALE + USER_NAMESPACE.shift
+    return -y if RUN_CFG.negate else y
+
+
+def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
+    """A setting a function reads through a global module, ``SimpleNamespace`` or
+    dataclass instance, changed between calls, is seen by replays as by eager (it was
+    baked in at capture)."""
+    g = autograph.graphed(scaled_by_settings)
+    flips = [lambda: None, lambda: setattr(USER_CONFIG, "SCALE", 5.0),
+             lambda: setattr(USER_NAMESPACE, "shift", 2.0),
+             lambda: setattr(RUN_CFG, "negate", True)]
+    try:
+        with torch.no_grad():
+            for flip in flips:
+                flip()
+                for _ in range(4):
+                    x = torch.randn(3, device=device)
+                    torch.testing.assert_close(g(x), scaled_by_settings(x))
+    finally:
+        USER_CONFIG.SCALE, USER_NAMESPACE.shift, RUN_CFG.negate = 1.0, 0.0, False
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 and s["invalidations"] >= 3, s
+
+
+def test_flags_read_through_namespaces_are_seen(standin):
+    check_flags_read_through_namespaces_are_seen()
+
+
+class Tagged(torch.Tensor):
+    """A user's tensor subclass, made by the call with ``as_subclass``."""
+
+
+def check_outputs_keep_the_class_and_requires_grad_the_call_gave_them(
+        device: str = "cpu") -> None:
+    """An output the call marks ``requires_grad_()`` (a perturbation made under
+    ``no_grad``), makes a ``Parameter`` or a subclass of: every replay returns it as
+    eager does (a copy was a plain tensor that required no grad), clones and
+    ``reuse``; one carrying Python attributes runs eagerly."""
+    def marked(x):
+        d = torch.zeros_like(x).add_(0.01 * x.sign())
+        return d.requires_grad_()
+
+    def tagged(x):
+        return (x * 2).as_subclass(Tagged)
+
+    def parameter(x):
+        return nn.Parameter(x * 2)
+
+    def with_attribute(x):
+        y = x * 2
+        y.note = "set by the call"
+        return y
+
+    for outputs in ("clone", "reuse"):
+        for fn in (marked, tagged, parameter):
+            autograph.reset()
+            g = autograph.graphed(fn, outputs=outputs)
+            with torch.no_grad():
+                for _ in range(6):
+                    x = torch.randn(4, device=device)
+                    got, want = g(x), fn(x)
+                    assert type(got) is type(want) and got.requires_grad == want.requires_grad
+                    assert got.is_leaf
+                    torch.testing.assert_close(got.detach().as_subclass(torch.Tensor),
+                                               want.detach().as_subclass(torch.Tensor))
+                    del got  # (reuse: the next call replays)
+            assert autograph.stats(g)["replays"] >= 3, (fn.__name__, outputs)
+    g = autograph.graphed(with_attribute)
+    with torch.no_grad():
+        for _ in range(4):
+            assert g(torch.randn(4, device=device)).note == "set by the call"
+    assert autograph.stats(g)["eager_reasons"].get("unsupported_output", 0) >= 1
+
+
+def test_outputs_keep_the_class_and_requires_grad_the_call_gave_them(standin):
+    check_outputs_keep_the_class_and_requires_grad_the_call_gave_them()
+
+
 @dataclasses.dataclass
 class DataCfg:
     scale: float = 2.0

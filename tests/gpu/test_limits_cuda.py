@@ -11,6 +11,7 @@ import torch
 
 from ..test_backward import (
     check_a_detached_output_aliases_its_base,
+    check_a_gradient_kept_through_its_storage_is_not_overwritten,
     check_a_parameter_frozen_between_forward_and_backward,
     check_another_threads_backward_is_not_the_calls,
     check_chunked_outputs_of_a_pending_call,
@@ -18,6 +19,7 @@ from ..test_backward import (
     check_forward_ad_and_batched_gradients,
     check_grad_enabled_inside_under_no_grad,
     check_grad_mode_inference_of_a_batch_norm_model,
+    check_objects_made_by_a_training_call_take_gradients,
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
     check_parameters_swapped_for_new_objects_at_the_same_address,
@@ -36,6 +38,7 @@ from ..test_buckets import (
     check_a_sampling_step_keeps_its_buckets,
     check_a_write_the_first_call_did_not_make_reaches_the_caller,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
+    check_calls_autograd_records_are_not_padded,
     check_one_calls_conditions_leave_padding_on,
     check_padded_outputs_have_eager_layout,
     check_padding_ends_where_the_padded_calls_run_eagerly,
@@ -71,6 +74,7 @@ from ..test_rng import (
     check_a_call_setting_the_generator_runs_eagerly,
     check_a_custom_operator_that_draws_is_not_verified_nor_given_variants,
     check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds,
+    check_host_generator_objects_decide_eagerly,
 )
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
@@ -86,10 +90,12 @@ from ..test_usage import (
     check_container_arguments_shared_nested_and_returned_twice,
     check_containers_changed_in_place_are_seen,
     check_flags_read_through_classes_and_globals,
+    check_flags_read_through_namespaces_are_seen,
     check_function_modes_are_keyed,
     check_global_hooks_registered_through_any_name_are_seen,
     check_lists_and_dicts_a_module_holds,
     check_objects_the_call_returns,
+    check_outputs_keep_the_class_and_requires_grad_the_call_gave_them,
     check_overlapping_outputs_keep_their_layout,
     check_python_attributes_set_on_outputs_and_parameters,
     check_python_attributes_set_on_tensor_arguments,
@@ -443,3 +449,27 @@ def test_an_lstm_graphs_again_after_its_parameters_are_replaced():
 
 def test_one_calls_conditions_leave_padding_on():
     check_one_calls_conditions_leave_padding_on("cuda")
+
+
+def test_a_gradient_kept_through_its_storage_is_not_overwritten():
+    check_a_gradient_kept_through_its_storage_is_not_overwritten("cuda")
+
+
+def test_calls_autograd_records_are_not_padded():
+    check_calls_autograd_records_are_not_padded("cuda")
+
+
+def test_host_generator_objects_decide_eagerly():
+    check_host_generator_objects_decide_eagerly("cuda")
+
+
+def test_flags_read_through_namespaces_are_seen():
+    check_flags_read_through_namespaces_are_seen("cuda")
+
+
+def test_outputs_keep_the_class_and_requires_grad_the_call_gave_them():
+    check_outputs_keep_the_class_and_requires_grad_the_call_gave_them("cuda")
+
+
+def test_objects_made_by_a_training_call_take_gradients():
+    check_objects_made_by_a_training_call_take_gradients("cuda")

@@ -182,9 +182,20 @@ class RecordedGraph:
                 for leaf in pytree.tree_leaves(fresh):
                     if not isinstance(leaf, torch.Tensor) and hasattr(leaf, "wait"):
                         leaf.wait()  # a collective's work: done before the next operator
-                for old, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
-                    if isinstance(old, torch.Tensor) and _storage(old) != _storage(new):
+                for old, new in _pairs(recorded, fresh):
+                    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
+                            and _storage(old) != _storage(new):
                         old.copy_(new)
+
+
+def _pairs(recorded: Any, fresh: Any) -> Any:
+    """The recorded and fresh results of an operator, paired: output by output where it
+    returns several (an inference-mode run may give None for one, ``mkldnn_rnn_layer``'s
+    workspace, which flattening would drop and misalign the rest)."""
+    if isinstance(recorded, (tuple, list)) and isinstance(fresh, (tuple, list)) \
+            and len(recorded) == len(fresh):
+        return [p for old, new in zip(recorded, fresh) for p in _pairs(old, new)]
+    return zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh))
 
 
 _set_versions = torch._C._autograd._unsafe_set_version_counter

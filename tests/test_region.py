@@ -326,3 +326,50 @@ def test_a_region_refuses_a_callable_object_whose_call_is_async():
     with pytest.raises(TypeError, match="cannot decorate an async function"):
         autograph.capture_region()(Handler())
     autograph.capture_region()(nn.Linear(2, 2))  # a module's __call__ is not
+
+
+def check_one_region_entered_from_two_threads_keeps_each_threads_scope(device="cpu"):
+    """One region object (a decorated method of a threaded server) entered by another
+    thread while this one is inside it: each thread leaves its own entry (its exit
+    undid the other thread's, dropping this one's region early and leaving it open
+    after the function returned, where later module calls were still graphed)."""
+    model = nn.Linear(4, 4).to(device)
+    region = autograph.capture_region()
+    inside, entered, done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    @region
+    def inner():
+        inside.set()
+        entered.wait(10)
+
+    @region
+    def outer():
+        inner()
+        seen["after inner"] = bool(region_mod._regions.get())
+
+    def first():
+        outer()
+        seen["after outer"] = bool(region_mod._regions.get())
+        with torch.no_grad():
+            for _ in range(5):
+                model(torch.randn(2, 4, device=device))
+        done.set()
+
+    def second():
+        inside.wait(10)
+        with region:
+            entered.set()
+            done.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"after inner": True, "after outer": False}, seen
+    assert not region.stats(), region.stats()  # no module call was made inside it
+
+
+def test_one_region_entered_from_two_threads_keeps_each_threads_scope(standin):
+    check_one_region_entered_from_two_threads_keeps_each_threads_scope()

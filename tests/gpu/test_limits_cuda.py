@@ -68,7 +68,10 @@ from ..test_objects import (
     check_training_a_model_that_returns_a_dynamic_cache,
 )
 from ..test_recapture import check_an_lstm_graphs_again_after_its_parameters_are_replaced
-from ..test_region import check_methods_graph_their_submodule_calls
+from ..test_region import (
+    check_methods_graph_their_submodule_calls,
+    check_one_region_entered_from_two_threads_keeps_each_threads_scope,
+)
 from ..test_rng import (
     _setters,
     check_a_call_setting_the_generator_runs_eagerly,
@@ -473,3 +476,7 @@ def test_outputs_keep_the_class_and_requires_grad_the_call_gave_them():
 
 def test_objects_made_by_a_training_call_take_gradients():
     check_objects_made_by_a_training_call_take_gradients("cuda")
+
+
+def test_one_region_entered_from_two_threads_keeps_each_threads_scope():
+    check_one_region_entered_from_two_threads_keeps_each_threads_scope("cuda")

@@ -181,12 +181,15 @@ class Bucketer:
 
     def _records(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         """Whether autograd records the call: grad mode, and a tensor argument, a
-        parameter or a buffer that requires grad."""
+        parameter, buffer, named global or tensor attribute of a module that requires
+        grad."""
         if not torch.is_grad_enabled():
             return False
-        return self.engine.watch.requires_grad() or any(
+        watch = self.engine.watch
+        return watch.requires_grad() or any(
             isinstance(t, torch.Tensor) and t.requires_grad
-            for t in pytree.tree_leaves((args, kwargs)))
+            for t in (*pytree.tree_leaves((args, kwargs)), *watch.named(),
+                      *watch.attribute_tensors()))
 
     def _padded(self, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
                 size: int, real: int, learned: Learned) -> Any:

@@ -212,6 +212,10 @@ def output_builder(
         makers.append(_leaf_maker(value, arg_storage, persistent, reuse, themselves))
     pool_outputs = [v for v, make in zip(flat, makers) if is_clone(make)]
     shared = Shared.find(flat, makers) if aliases and not reuse else []
+    if any(not _plain_output(flat[k]) for group in shared for k in group.members):
+        # views of one plain copy: a member's class or requires_grad would be lost
+        raise Uncapturable(EagerReason.OUTPUT, "outputs sharing memory include a tensor "
+                           "subclass or a tensor marked requires_grad_() by the call")
     for group in shared:
         for k in group.members:
             makers[k] = _filled_by_group

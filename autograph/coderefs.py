@@ -172,17 +172,19 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             out.append((_global_getter(glb, name), value))
             out += _class_values(value, attributes)
         elif _namespace(value):
-            if attributes is None:
-                attributes = _code_names(code)
             out.append((_global_getter(glb, name), value))
-            out += _namespace_values(value, attributes)
-    for cell in (getattr(fn, "__closure__", None) or ()) if cells else ():
+            out += _namespace_values(value, _attribute_loads(code).get(name, ()))
+    closure = (getattr(fn, "__closure__", None) or ()) if cells else ()
+    for name, cell in zip(code.co_freevars, closure):
         try:
             value = cell.cell_contents
         except ValueError:  # empty cell
             continue
         if _trackable(value) or _function(value):
             out.append((_cell_getter(cell), value))
+        elif _namespace(value):
+            out.append((_cell_getter(cell), value))
+            out += _namespace_values(value, _attribute_loads(code).get(name, ()))
     return out
 
 
@@ -192,8 +194,9 @@ def _namespace(value: Any) -> bool:
     not the standard library's, torch's or numpy's."""
     if isinstance(value, types.ModuleType):
         top = value.__name__.partition(".")[0]
-    elif isinstance(value, types.SimpleNamespace):
-        return True
+    elif isinstance(value, types.SimpleNamespace) or (
+            type(value).__name__ == "Namespace" and type(value).__module__ == "argparse"):
+        return True  # (``args = parser.parse_args()``)
     elif _plain_object(value) and not isinstance(value, type):
         top = type(value).__module__.partition(".")[0]
     else:
@@ -202,6 +205,28 @@ def _namespace(value: Any) -> bool:
 
 
 _LIBRARIES = frozenset({"torch", "numpy", "builtins", "autograph", "typing_extensions", "wrapt"})
+
+
+@functools.lru_cache(maxsize=1024)
+def _attribute_loads(code: types.CodeType) -> dict[str, frozenset[str]]:
+    """For each global or closure name that ``code`` (and the code nested in it) reads
+    an attribute of directly (``config.SCALE``), the attribute names read so: only
+    those are guarded (a namespace's other attributes may change every step)."""
+    found: dict[str, set[str]] = {}
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        prev = None
+        for ins in dis.get_instructions(c):
+            if prev is not None and ins.opname in _ATTRIBUTE_LOADS:
+                found.setdefault(prev, set()).add(ins.argval)
+            prev = ins.argval if ins.opname in _NAME_LOADS else None
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return {name: frozenset(attrs) for name, attrs in found.items()}
+
+
+_NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 
 
 def _namespace_values(obj: Any, names: Iterable[str]) -> list[tuple[Callable[[], Any], Any]]:

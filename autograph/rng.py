@@ -85,37 +85,49 @@ def went_back(before: Mark, after: Mark) -> bool:
 
 
 # -- host generators --------------------------------------------------------------------
-def host_generators(fn: Any, modules: Any) -> tuple[Any, ...]:
+def host_generators(fn: Any, modules: Any, arguments: Any = ()) -> tuple[Any, ...]:
     """The host generator objects a call reaches by name, whose draws may decide what
     it runs (``self.rng.random() < eps`` with a ``random.Random`` or a numpy
-    ``Generator``; a CPU ``torch.Generator``): those held as attributes of the watched
-    ``modules`` or of the graphed method's object, and those named as globals or
-    closure cells by the function's code or a module's ``forward``.  The global streams
-    are read by ``lifecycle`` itself."""
+    ``Generator``; a CPU ``torch.Generator``): those held by the watched ``modules``
+    (as attributes, in a list or dict attribute, on a plain object attribute, as class
+    attributes of their user classes), by the graphed method's object, among the
+    ``arguments``, and named (or held by a namespace named) as globals or closure cells
+    by the function's code or a module's ``forward``.  The global streams are read by
+    ``lifecycle`` itself."""
     found: dict[int, Any] = {}
 
-    def add(values: Any) -> None:
+    def add(values: Any, depth: int = 1) -> None:
         for v in values:
             if _host_generator(v):
                 found.setdefault(id(v), v)
+            elif depth and isinstance(v, (list, tuple)):
+                add(v, depth - 1)
+            elif depth and isinstance(v, dict):
+                add(v.values(), depth - 1)
+            elif depth and coderefs._namespace(v):
+                add(vars(v).values(), depth - 1)
 
     codes: list[Any] = []
     for m in modules:
         add(vars(m).values())
+        for klass in type(m).__mro__:
+            if coderefs._user_class(klass):
+                add(vars(klass).values(), depth=0)
         forward = getattr(type(m), "forward", None)
         if forward is not None and coderefs._user_class(type(m)):
             codes.append(coderefs._unwrapped(forward))
     owner = getattr(fn, "__self__", None)
     if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
         add(vars(owner).values())
+    add(arguments)
     codes.append(coderefs._unwrapped(fn))
     for f in codes:
         code, glb = getattr(f, "__code__", None), getattr(f, "__globals__", None)
         if code is None or glb is None:
             continue
         loads, _ = coderefs._global_names(code)
-        add(glb.get(name) for name in loads)
-        add(_cell_values(getattr(f, "__closure__", None) or ()))
+        add([glb.get(name) for name in loads])
+        add(list(_cell_values(getattr(f, "__closure__", None) or ())))
     return tuple(found.values())
 
 

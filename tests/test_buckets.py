@@ -137,6 +137,18 @@ def check_calls_autograd_records_are_not_padded(device="cpu"):
         torch.testing.assert_close(g.lin.weight.grad, model.lin.weight.grad)
     s = autograph.stats(g)
     assert s["replays"] >= 1 and s["backward_replays"] >= 1, s
+    hidden = RowNorm().to(device).requires_grad_(False)  # a plain tensor attribute trains
+    hidden.w = torch.randn(4, 4, device=device, requires_grad=True)
+    hidden.lin.forward = lambda x: x @ hidden.w
+    h = autograph.graphed(hidden, buckets=[4])
+    for _ in range(4):
+        hidden.w.grad = None
+        x = torch.randn(3, 4, device=device)
+        with autograph.disabled():
+            hidden(x).sum().backward()
+        want, hidden.w.grad = hidden.w.grad, None
+        h(x).sum().backward()
+        torch.testing.assert_close(hidden.w.grad, want)
     with torch.no_grad():  # inference calls are still padded
         for _ in range(4):
             x = torch.randn(3, 4, device=device)

@@ -237,6 +237,40 @@ def check_host_generator_objects_decide_eagerly(device="cpu"):
                 assert torch.equal(g(obs), twin(obs))
         s = autograph.stats(g)
         assert s["replays"] == 0 and s["eager_reasons"].get("host_random", 0) >= 1, s
+    class ClassLevel(EpsilonGreedy):
+        shared = random.Random(0)
+
+        def __init__(self):
+            super().__init__(None)
+            self.rng = None
+
+        def forward(self, obs):
+            self.rng = self.rng or ClassLevel.shared
+            return super().forward(obs)
+
+    def explores_with_a_given_generator(x, gen):
+        return x * 2 if gen.random() < 0.5 else x
+
+    for run in ("class", "argument"):
+        torch.manual_seed(0)
+        if run == "class":
+            ClassLevel.shared.seed(0)
+            model = ClassLevel().to(device)
+            g, twin, state = autograph.graphed(model), None, random.Random(0)
+        else:
+            g, gen, twin_gen = (autograph.graphed(explores_with_a_given_generator),
+                                random.Random(0), random.Random(0))
+        for _ in range(10):
+            x = torch.randn(2, 4, device=device) + 3
+            with torch.no_grad():
+                if run == "class":
+                    want = torch.zeros(2, dtype=torch.long, device=device) \
+                        if state.random() < 0.5 else model.q(x).argmax(-1)
+                    assert torch.equal(g(x), want)
+                else:
+                    want = x * 2 if twin_gen.random() < 0.5 else x
+                    assert torch.equal(g(x, gen), want)
+        assert autograph.stats(g)["replays"] == 0, (run, autograph.stats(g))
     g = autograph.graphed(explores_through_a_global)
     HOST_RNG.seed(0)
     twin_rng = random.Random(0)

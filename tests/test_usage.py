@@ -9,6 +9,7 @@ happened; where the call must run eagerly, that it did.  Reason strings are not 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copy
 import dataclasses
@@ -1597,10 +1598,10 @@ needs_verify = pytest.mark.skipif(
 
 @needs_verify
 def test_verify_every_replay_catches_a_stale_graph_and_runs_eagerly_after(caplog):
-    cfg = types.SimpleNamespace(k=2.0)  # a plain attribute: not guarded
+    cfg = {"k": 2.0}  # a value in a mutable container: not guarded
 
     def f(x):
-        return x * cfg.k
+        return x * cfg["k"]
 
     g = autograph.graphed(f, verify_every=1)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="autograph"):
@@ -1610,7 +1611,7 @@ def test_verify_every_replay_catches_a_stale_graph_and_runs_eagerly_after(caplog
         before = counts(g)
         assert before["replays"] > 0 and before["verify_failures"] == 0
         assert before["verifications"] == before["replays"]
-        cfg.k = 3.0  # the graph is now stale
+        cfg["k"] = 3.0  # the graph is now stale
         g(torch.randn(5))  # the verification of this replay finds the mismatch
         for _ in range(CALLS):
             x = torch.randn(5)
@@ -1660,16 +1661,16 @@ def test_verify_runs_on_copies_and_leaves_written_arguments_as_eager():
 @needs_verify
 def test_verify_every_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUTOGRAPH_VERIFY_EVERY", "1")
-    cfg = types.SimpleNamespace(k=2.0)
+    cfg = {"k": 2.0}  # a value in a mutable container: not guarded
 
     def f(x):
-        return x + cfg.k
+        return x + cfg["k"]
 
     g = autograph.graphed(f)
     with torch.no_grad():
         for _ in range(CALLS):
             g(torch.randn(5))
-        cfg.k = -1.0
+        cfg["k"] = -1.0
         g(torch.randn(5))
         for _ in range(CALLS):
             x = torch.randn(5)
@@ -2148,9 +2149,25 @@ def scaled_by_settings(x):
 
 
 def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
-    """A setting a function reads through a global module, ``SimpleNamespace`` or
-    dataclass instance, changed between calls, is seen by replays as by eager (it was
-    baked in at capture)."""
+    """A setting a function reads through a global module, ``SimpleNamespace``,
+    dataclass instance or ``argparse.Namespace`` (or one in a closure cell), changed
+    between calls, is seen by replays as by eager (it was baked in at capture); an
+    attribute the code does not read of it changes without dropping the graphs."""
+    args = argparse.Namespace(scale=1.0, step=0)
+
+    def closure_scaled(x):
+        return x * args.scale
+
+    c = autograph.graphed(closure_scaled)
+    with torch.no_grad():
+        for k in range(10):
+            args.step += 1  # not read by the function
+            if k == 5:
+                args.scale = 3.0
+            x = torch.randn(3, device=device)
+            torch.testing.assert_close(c(x), x * args.scale)
+    s = autograph.stats(c)
+    assert s["replays"] >= 3 and s["invalidations"] == 1, s
     g = autograph.graphed(scaled_by_settings)
     flips = [lambda: None, lambda: setattr(USER_CONFIG, "SCALE", 5.0),
              lambda: setattr(USER_NAMESPACE, "shift", 2.0),
@@ -2211,6 +2228,23 @@ def check_outputs_keep_the_class_and_requires_grad_the_call_gave_them(
                                                want.detach().as_subclass(torch.Tensor))
                     del got  # (reuse: the next call replays)
             assert autograph.stats(g)["replays"] >= 3, (fn.__name__, outputs)
+    def shared_subclass(x):  # views of one memory: one plain copy would lose the class
+        y = x * 2
+        return y, y[:2].as_subclass(Tagged)
+
+    def parameter_twice(x):
+        p = nn.Parameter(x * 2)
+        return p, p
+
+    for fn in (shared_subclass, parameter_twice):
+        g = autograph.graphed(fn)
+        with torch.no_grad():
+            for _ in range(4):
+                x = torch.randn(4, device=device)
+                got, want = g(x), fn(x)
+                assert [type(t) for t in got] == [type(t) for t in want]
+                assert [t.requires_grad for t in got] == [t.requires_grad for t in want]
+                assert (got[0] is got[1]) == (want[0] is want[1])
     g = autograph.graphed(with_attribute)
     with torch.no_grad():
         for _ in range(4):

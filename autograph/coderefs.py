@@ -44,7 +44,8 @@ MISSING = object()  # a name or cell that holds nothing (any more)
 def same(now: Any, then: Any) -> bool:
     """Whether a value a graph baked in is still the same: the very object, or a
     scalar of the same type and value, the sign of a zero included (``x / eps`` with
-    ``eps`` 0.0 or -0.0 gives infinities of either sign)."""
+    ``eps`` 0.0 or -0.0 gives infinities of either sign), an equal device, or a tuple
+    of the same length whose items are the same."""
     if now is then:
         return True
     if isinstance(then, _SCALARS) and type(now) is type(then):
@@ -52,6 +53,12 @@ def same(now: Any, then: Any) -> bool:
             return bool(now == then) and _signs(now) == _signs(then)
         except (TypeError, ValueError):  # a numpy scalar of no plain truth value
             return False
+    if type(now) is not type(then):
+        return False
+    if isinstance(then, torch.device):  # ``x.device``: a new object each time
+        return bool(now == then)
+    if isinstance(then, tuple):  # ``(x.shape[0], 8)`` set again every step
+        return len(now) == len(then) and all(map(same, now, then))
     return False
 
 
@@ -172,8 +179,9 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             out.append((_global_getter(glb, name), value))
             out += _class_values(value, attributes)
         elif _namespace(value):
+            reads = _attribute_loads(code)
             out.append((_global_getter(glb, name), value))
-            out += _namespace_values(value, _attribute_loads(code).get(name, ()))
+            out += _namespace_values(value, reads.get(name, ()), reads, name)
     closure = (getattr(fn, "__closure__", None) or ()) if cells else ()
     for name, cell in zip(code.co_freevars, closure):
         try:
@@ -183,8 +191,9 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
         if _trackable(value) or _function(value):
             out.append((_cell_getter(cell), value))
         elif _namespace(value):
+            reads = _attribute_loads(code)
             out.append((_cell_getter(cell), value))
-            out += _namespace_values(value, _attribute_loads(code).get(name, ()))
+            out += _namespace_values(value, reads.get(name, ()), reads, name)
     return out
 
 
@@ -216,25 +225,43 @@ def _attribute_loads(code: types.CodeType) -> dict[str, frozenset[str]]:
     stack = [code]
     while stack:
         c = stack.pop()
-        prev = None
+        path = None  # the dotted name loaded so far (``mypkg.consts``)
         for ins in dis.get_instructions(c):
-            if prev is not None and ins.opname in _ATTRIBUTE_LOADS:
-                found.setdefault(prev, set()).add(ins.argval)
-            prev = ins.argval if ins.opname in _NAME_LOADS else None
+            if path is not None and ins.opname in _ATTRIBUTE_LOADS:
+                found.setdefault(path, set()).add(ins.argval)
+                path = f"{path}.{ins.argval}"
+            elif path is not None and ins.opname in _KEEPS_TOP:
+                continue  # ``NS.calls += 1``: the name copied, then its attribute read
+            else:
+                path = ins.argval if ins.opname in _NAME_LOADS else None
         stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
     return {name: frozenset(attrs) for name, attrs in found.items()}
 
 
 _NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+_KEEPS_TOP = frozenset({"COPY", "DUP_TOP", "CACHE", "EXTENDED_ARG", "NOP"})
 
 
-def _namespace_values(obj: Any, names: Iterable[str]) -> list[tuple[Callable[[], Any], Any]]:
-    """Getters for the plain values, tensors and modules a namespace holds under
-    ``names`` (read from its ``__dict__``: no property runs)."""
+def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset[str]],
+                     path: str, depth: int = 2) -> list[tuple[Callable[[], Any], Any]]:
+    """Getters for the plain values, tensors, modules and functions a namespace holds
+    under ``names`` (read from its ``__dict__``: no property runs), and, ``depth``
+    levels down, those of the namespaces it holds that the code reads further
+    (``mypkg.consts.SCALE``, ``cfg.sub.k``; ``loads`` by dotted ``path``)."""
     d = vars(obj)
-    return [(_global_getter(d, n), d[n]) for n in sorted(names)
-            if not n.startswith("__") and n in d and _trackable(d[n])]
+    out: list[tuple[Callable[[], Any], Any]] = []
+    for n in sorted(names):
+        if n.startswith("__") or n not in d:
+            continue
+        value = d[n]
+        if _trackable(value) or _function(value):
+            out.append((_global_getter(d, n), value))
+        elif depth and _namespace(value):
+            out.append((_global_getter(d, n), value))
+            inner = f"{path}.{n}"
+            out += _namespace_values(value, loads.get(inner, ()), loads, inner, depth - 1)
+    return out
 
 
 def _function(value: Any) -> bool:

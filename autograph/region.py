@@ -40,10 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # is removed from whichever stack holds it.
 _regions: contextvars.ContextVar[tuple[Region, ...]] = contextvars.ContextVar(
     "autograph_regions", default=())
-# this context's entries into regions, each with the token that undoes it: one region
-# object is entered from several threads at once (a decorated method of a server)
-_entries: contextvars.ContextVar[tuple[tuple[Region, contextvars.Token[Any]], ...]] = \
-    contextvars.ContextVar("autograph_region_entries", default=())
+
 _local = threading.local()  # module-call depth of this thread (calls do not interleave)
 _lock = threading.Lock()
 _open = 0  # regions open anywhere: the patch is installed while > 0
@@ -72,24 +69,18 @@ class Region:
 
     def __enter__(self) -> Region:
         _retain()
-        token = _regions.set((*_regions.get(), self))
-        _entries.set((*_entries.get(), (self, token)))
+        _regions.set((*_regions.get(), self))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        entries = _entries.get()
-        token = None
-        for k in range(len(entries) - 1, -1, -1):  # this context's last entry into self
-            if entries[k][0] is self:
-                token = entries[k][1]
-                _entries.set(entries[:k] + entries[k + 1:])
+        """Leave this context's last entry into the region, and only it: another
+        region entered meanwhile and still open (an interleaved generator's) stays, and
+        one left meanwhile is not put back, as restoring the stack seen at entry would."""
+        stack = _regions.get()
+        for k in range(len(stack) - 1, -1, -1):
+            if stack[k] is self:
+                _regions.set(stack[:k] + stack[k + 1:])
                 break
-        try:
-            if token is None:
-                raise ValueError
-            _regions.reset(token)
-        except ValueError:  # exited in another context than it was entered in
-            _regions.set(tuple(r for r in _regions.get() if r is not self))
         _release()
 
     def __call__(self, fn: F) -> F:

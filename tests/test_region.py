@@ -373,3 +373,29 @@ def check_one_region_entered_from_two_threads_keeps_each_threads_scope(device="c
 
 def test_one_region_entered_from_two_threads_keeps_each_threads_scope(standin):
     check_one_region_entered_from_two_threads_keeps_each_threads_scope()
+
+
+def check_interleaved_regions_leave_only_their_own_entry(device="cpu"):
+    """Two generators each streaming calls inside a region of their own, iterated in
+    turn in one thread: each leaves only its own entry (the first's exit dropped the
+    second's region, and the second's put the first's back, open for good)."""
+    model = nn.Linear(8, 8).to(device)
+
+    def stream(n):
+        with autograph.capture_region():
+            for _ in range(n):
+                yield model(torch.randn(2, 8, device=device))
+
+    with torch.no_grad():
+        a, b = stream(2), stream(3)
+        next(a)
+        next(b)
+        next(a)
+        list(a)
+        assert len(region_mod._regions.get()) == 1  # b's, still open
+        list(b)
+    assert region_mod._regions.get() == ()
+
+
+def test_interleaved_regions_leave_only_their_own_entry(standin):
+    check_interleaved_regions_leave_only_their_own_entry()

@@ -2143,9 +2143,28 @@ class RunCfg:
 RUN_CFG = RunCfg()
 
 
+USER_PACKAGE = types.ModuleType("user_package")  # ``import user_package.consts``
+USER_PACKAGE.consts = types.ModuleType("user_package.consts")
+USER_PACKAGE.consts.OFFSET = 0.0
+USER_CONFIG.act = torch.relu
+
+
 def scaled_by_settings(x):
-    y = x * USER_CONFIG.SCALE + USER_NAMESPACE.shift
+    y = USER_CONFIG.act(x * USER_CONFIG.SCALE + USER_NAMESPACE.shift)
+    y = y + USER_PACKAGE.consts.OFFSET
     return -y if RUN_CFG.negate else y
+
+
+COUNTS = types.SimpleNamespace(calls=0, hw=None, device=None)
+
+
+def counts_its_calls(x):
+    COUNTS.calls += 1  # a replay would not count
+    return x * 2
+
+
+def reads_shape_and_device(x):
+    return x * COUNTS.hw[1] if COUNTS.device == x.device else x
 
 
 def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
@@ -2171,7 +2190,9 @@ def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
     g = autograph.graphed(scaled_by_settings)
     flips = [lambda: None, lambda: setattr(USER_CONFIG, "SCALE", 5.0),
              lambda: setattr(USER_NAMESPACE, "shift", 2.0),
-             lambda: setattr(RUN_CFG, "negate", True)]
+             lambda: setattr(RUN_CFG, "negate", True),
+             lambda: setattr(USER_CONFIG, "act", torch.tanh),
+             lambda: setattr(USER_PACKAGE.consts, "OFFSET", 1.5)]
     try:
         with torch.no_grad():
             for flip in flips:
@@ -2181,8 +2202,23 @@ def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
                     torch.testing.assert_close(g(x), scaled_by_settings(x))
     finally:
         USER_CONFIG.SCALE, USER_NAMESPACE.shift, RUN_CFG.negate = 1.0, 0.0, False
+        USER_CONFIG.act, USER_PACKAGE.consts.OFFSET = torch.relu, 0.0
     s = autograph.stats(g)
-    assert s["replays"] >= 4 and s["invalidations"] >= 3, s
+    assert s["replays"] >= 6 and s["invalidations"] >= 5, s
+    # a call that counts itself through a namespace runs eagerly: it counts every call
+    counted = autograph.graphed(counts_its_calls)
+    for _ in range(6):
+        counted(torch.randn(3, device=device))
+    assert COUNTS.calls == 6
+    # equal values set again every step (a new tuple, ``x.device``) keep the graphs
+    shaped = autograph.graphed(reads_shape_and_device)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, device=device)
+            COUNTS.hw, COUNTS.device = (x.shape[0], 8), x.device
+            torch.testing.assert_close(shaped(x), x * 8)
+    s = autograph.stats(shaped)
+    assert s["replays"] >= 3 and s["invalidations"] == 0, s
 
 
 def test_flags_read_through_namespaces_are_seen(standin):

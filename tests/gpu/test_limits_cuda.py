@@ -69,6 +69,7 @@ from ..test_objects import (
 )
 from ..test_recapture import check_an_lstm_graphs_again_after_its_parameters_are_replaced
 from ..test_region import (
+    check_interleaved_regions_leave_only_their_own_entry,
     check_methods_graph_their_submodule_calls,
     check_one_region_entered_from_two_threads_keeps_each_threads_scope,
 )
@@ -480,3 +481,7 @@ def test_objects_made_by_a_training_call_take_gradients():
 
 def test_one_region_entered_from_two_threads_keeps_each_threads_scope():
     check_one_region_entered_from_two_threads_keeps_each_threads_scope("cuda")
+
+
+def test_interleaved_regions_leave_only_their_own_entry():
+    check_interleaved_regions_leave_only_their_own_entry("cuda")

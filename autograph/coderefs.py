@@ -50,11 +50,15 @@ def same(now: Any, then: Any) -> bool:
         return True
     if isinstance(then, _SCALARS) and type(now) is type(then):
         try:
+            if now != now and then != then:  # NaN set again
+                return True
             return bool(now == then) and _signs(now) == _signs(then)
         except (TypeError, ValueError):  # a numpy scalar of no plain truth value
             return False
     if type(now) is not type(then):
         return False
+    if isinstance(then, frozenset):
+        return bool(now == then)
     if isinstance(then, torch.device):  # ``x.device``: a new object each time
         return bool(now == then)
     if isinstance(then, tuple):  # ``(x.shape[0], 8)`` set again every step
@@ -227,7 +231,11 @@ def _attribute_loads(code: types.CodeType) -> dict[str, frozenset[str]]:
         c = stack.pop()
         path = None  # the dotted name loaded so far (``mypkg.consts``)
         for ins in dis.get_instructions(c):
-            if path is not None and ins.opname in _ATTRIBUTE_LOADS:
+            if path is not None and ins.opname in _ATTRIBUTE_STORES:
+                # ``NS.last = y``: guarded, the value changes at each call (eagerly)
+                found.setdefault(path, set()).add(ins.argval)
+                path = None
+            elif path is not None and ins.opname in _ATTRIBUTE_LOADS:
                 found.setdefault(path, set()).add(ins.argval)
                 path = f"{path}.{ins.argval}"
             elif path is not None and ins.opname in _KEEPS_TOP:
@@ -240,6 +248,7 @@ def _attribute_loads(code: types.CodeType) -> dict[str, frozenset[str]]:
 
 _NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
+_ATTRIBUTE_STORES = frozenset({"STORE_ATTR", "DELETE_ATTR"})
 _KEEPS_TOP = frozenset({"COPY", "DUP_TOP", "CACHE", "EXTENDED_ARG", "NOP"})
 
 
@@ -266,8 +275,13 @@ def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset
 
 def _function(value: Any) -> bool:
     """A function the code calls by name (``ACT = torch.relu``, rebound to another)."""
-    return isinstance(value, (types.FunctionType, types.BuiltinFunctionType,
-                              functools.partial))
+    return isinstance(value, _FUNCTIONS)
+
+
+# (``ACT = torch.Tensor.relu``, ``ACT = model.act``: methods and slot wrappers too)
+_FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, functools.partial,
+              types.MethodType, types.MethodDescriptorType, types.WrapperDescriptorType,
+              types.MethodWrapperType)
 
 
 def _user_module(fn: Any) -> bool:

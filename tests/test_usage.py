@@ -2155,7 +2155,8 @@ def scaled_by_settings(x):
     return -y if RUN_CFG.negate else y
 
 
-COUNTS = types.SimpleNamespace(calls=0, hw=None, device=None)
+COUNTS = types.SimpleNamespace(calls=0, hw=None, device=None, nan=0.0, kinds=None,
+                               act=torch.Tensor.exp, last=None)
 
 
 def counts_its_calls(x):
@@ -2164,7 +2165,13 @@ def counts_its_calls(x):
 
 
 def reads_shape_and_device(x):
-    return x * COUNTS.hw[1] if COUNTS.device == x.device else x
+    y = x * COUNTS.hw[1] if COUNTS.device == x.device and "a" in COUNTS.kinds else x
+    return y * COUNTS.act(torch.ones_like(y)) if COUNTS.nan != COUNTS.nan else y
+
+
+def keeps_its_last_output(x):
+    COUNTS.last = x * 2  # only assigned: a replay would not
+    return x + 1
 
 
 def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
@@ -2213,12 +2220,20 @@ def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
     # equal values set again every step (a new tuple, ``x.device``) keep the graphs
     shaped = autograph.graphed(reads_shape_and_device)
     with torch.no_grad():
-        for _ in range(6):
+        for k in range(9):
             x = torch.randn(3, device=device)
             COUNTS.hw, COUNTS.device = (x.shape[0], 8), x.device
-            torch.testing.assert_close(shaped(x), x * 8)
+            COUNTS.nan, COUNTS.kinds = float("nan"), frozenset({"a", "b"})
+            COUNTS.act = torch.Tensor.exp if k < 6 else torch.Tensor.neg  # swapped
+            torch.testing.assert_close(shaped(x), x * 8 * COUNTS.act(torch.ones(3)))
     s = autograph.stats(shaped)
-    assert s["replays"] >= 3 and s["invalidations"] == 0, s
+    assert s["replays"] >= 3 and s["invalidations"] == 1, s
+    kept = autograph.graphed(keeps_its_last_output)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(3, device=device)
+            kept(x)
+            torch.testing.assert_close(COUNTS.last, x * 2)
 
 
 def test_flags_read_through_namespaces_are_seen(standin):

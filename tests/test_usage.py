@@ -2225,7 +2225,7 @@ def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
             COUNTS.hw, COUNTS.device = (x.shape[0], 8), x.device
             COUNTS.nan, COUNTS.kinds = float("nan"), frozenset({"a", "b"})
             COUNTS.act = torch.Tensor.exp if k < 6 else torch.Tensor.neg  # swapped
-            torch.testing.assert_close(shaped(x), x * 8 * COUNTS.act(torch.ones(3)))
+            torch.testing.assert_close(shaped(x), x * 8 * COUNTS.act(torch.ones(3, device=device)))
     s = autograph.stats(shaped)
     assert s["replays"] >= 3 and s["invalidations"] == 1, s
     kept = autograph.graphed(keeps_its_last_output)

@@ -37,10 +37,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The regions open in the running code, innermost last.  A context variable, so a
 # region follows the code that entered it (asyncio tasks, threads started with a copy
 # of the context); a region closed elsewhere (a generator resumed on another thread)
-# is removed from whichever stack holds it.
+# is removed from the closing context's stack, where it is one (see ``__exit__``).
 _regions: contextvars.ContextVar[tuple[Region, ...]] = contextvars.ContextVar(
     "autograph_regions", default=())
-
 _local = threading.local()  # module-call depth of this thread (calls do not interleave)
 _lock = threading.Lock()
 _open = 0  # regions open anywhere: the patch is installed while > 0

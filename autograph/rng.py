@@ -127,7 +127,7 @@ def host_generators(fn: Any, modules: Any, arguments: Any = ()) -> tuple[Any, ..
             continue
         loads, _ = coderefs._global_names(code)
         add([glb.get(name) for name in loads])
-        add(list(_cell_values(getattr(f, "__closure__", None) or ())))
+        add([coderefs._cell_getter(c)() for c in getattr(f, "__closure__", None) or ()])
     return tuple(found.values())
 
 
@@ -168,10 +168,3 @@ def _frozen(value: Any) -> Any:
     tobytes = getattr(value, "tobytes", None)
     return tobytes() if callable(tobytes) else value
 
-
-def _cell_values(cells: Any) -> Any:
-    for cell in cells:
-        try:
-            yield cell.cell_contents
-        except ValueError:  # an empty cell
-            continue

@@ -59,6 +59,7 @@ from .coderefs import (
     same,
     same_items,
 )
+from .rng import host_generators
 from .steps import StepGuard
 
 _Module = nn.Module
@@ -388,6 +389,14 @@ class Watch:
     def every_module(self) -> list[nn.Module]:
         """Every watched module (the trees of :meth:`modules`, each module once)."""
         return [m for ref in self._modules if (m := ref()) is not None]
+
+    def host_generators(self, fn: Callable[..., Any], arguments: Any) -> tuple[Any, ...]:
+        """The host generator objects a call of ``fn`` with ``arguments`` reaches
+        (:func:`autograph.rng.host_generators`), found from the user's code (an
+        instance method's function rather than the engine's closure) and object."""
+        owner = self._owner() if self._owner is not None else None
+        code = self._code if self._code is not None else fn
+        return host_generators(code, self.every_module(), arguments, owner)
 
     def attribute_tensors(self) -> list[torch.Tensor]:
         """Tensors held as plain attributes of the watched modules (``self.table =

@@ -145,7 +145,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.forget_assignments()
-    gens = rng.host_generators(fn, watch.every_module(), flat.leaves) if learn else ()
+    gens = watch.host_generators(fn, flat.leaves) if learn else ()
     host = _host_random_state(device, gens) if learn else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
@@ -421,7 +421,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     recorder = WriteRecorder(watched, known)
     footprint = Footprint(known, device)  # what the graph needs of the pool
     watch.forget_assignments()
-    gens = rng.host_generators(fn, watch.every_module(), flat.leaves)
+    gens = watch.host_generators(fn, flat.leaves)
     host = _host_random_state(device, gens)
     stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
 

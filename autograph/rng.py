@@ -16,8 +16,11 @@ is watched is the generator: its seed and position before and after each warmup
 from __future__ import annotations
 
 import enum
+import functools
+import itertools
 import random
 import sys
+import types
 from typing import Any, NamedTuple
 
 import torch
@@ -85,19 +88,25 @@ def went_back(before: Mark, after: Mark) -> bool:
 
 
 # -- host generators --------------------------------------------------------------------
-def host_generators(fn: Any, modules: Any, arguments: Any = ()) -> tuple[Any, ...]:
+def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = None
+                    ) -> tuple[Any, ...]:
     """The host generator objects a call reaches by name, whose draws may decide what
     it runs (``self.rng.random() < eps`` with a ``random.Random`` or a numpy
     ``Generator``; a CPU ``torch.Generator``): those held by the watched ``modules``
-    (as attributes, in a list or dict attribute, on a plain object attribute, as class
-    attributes of their user classes), by the graphed method's object, among the
-    ``arguments``, and named (or held by a namespace named) as globals or closure cells
-    by the function's code or a module's ``forward``.  The global streams are read by
-    ``lifecycle`` itself."""
+    (as attributes, in containers or plain objects three levels down, as class
+    attributes of their user classes), by the graphed method's object (``owner``, or
+    ``fn.__self__``), among the ``arguments``, bound by a ``functools.partial`` or as
+    a default argument, and named (or held by a namespace named) as globals or closure
+    cells by the function's code or a module's ``forward``.  The global streams are
+    read by ``lifecycle`` itself."""
     found: dict[int, Any] = {}
+    budget = [_READ]  # values read in all: a huge container costs the warmup little
 
-    def add(values: Any, depth: int = 1) -> None:
-        for v in values:
+    def add(values: Any, depth: int = 3) -> None:
+        for v in itertools.islice(values, _SCANNED):
+            budget[0] -= 1
+            if budget[0] < 0:
+                return
             if _host_generator(v):
                 found.setdefault(id(v), v)
             elif depth and isinstance(v, (list, tuple)):
@@ -116,19 +125,44 @@ def host_generators(fn: Any, modules: Any, arguments: Any = ()) -> tuple[Any, ..
         forward = getattr(type(m), "forward", None)
         if forward is not None and coderefs._user_class(type(m)):
             codes.append(coderefs._unwrapped(forward))
-    owner = getattr(fn, "__self__", None)
+    while isinstance(fn, functools.partial):  # what it binds, then its function
+        add(fn.args)
+        add(fn.keywords.values())
+        fn = fn.func
+    if owner is None:
+        owner = getattr(fn, "__self__", None)
     if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
         add(vars(owner).values())
     add(arguments)
-    codes.append(coderefs._unwrapped(fn))
-    for f in codes:
+    inner = coderefs._unwrapped(fn)
+    add(getattr(inner, "__defaults__", None) or ())
+    add((getattr(inner, "__kwdefaults__", None) or {}).values())
+    codes.append(inner)
+    seen: set[int] = set()
+    for f in codes:  # grows by the user functions the codes name (helpers), once each
         code, glb = getattr(f, "__code__", None), getattr(f, "__globals__", None)
-        if code is None or glb is None:
+        if code is None or glb is None or id(f) in seen or len(seen) >= _SCANNED:
             continue
+        seen.add(id(f))
         loads, _ = coderefs._global_names(code)
-        add([glb.get(name) for name in loads])
-        add([coderefs._cell_getter(c)() for c in getattr(f, "__closure__", None) or ()])
+        named = [glb.get(name) for name in loads]
+        cells = [coderefs._cell_getter(c)() for c in getattr(f, "__closure__", None) or ()]
+        add(named)
+        add(cells)
+        codes += [v for v in named + cells if _helper(v)]
     return tuple(found.values())
+
+
+_SCANNED = 64  # the items read of one container, and the functions read, by host_generators
+_READ = 4096  # the values host_generators reads in all
+
+
+def _helper(value: Any) -> bool:
+    """A function of the user's (not the standard library's, torch's or numpy's), whose
+    globals and cells a call naming it reaches too."""
+    top = str(getattr(value, "__module__", "")).partition(".")[0]
+    return (isinstance(value, types.FunctionType) and top not in sys.stdlib_module_names
+            and top not in coderefs._LIBRARIES)
 
 
 def host_state(gens: tuple[Any, ...]) -> tuple[Any, ...]:

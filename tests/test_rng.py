@@ -4,6 +4,7 @@ whose capture, like a CUDA one, advances no generator; the ``check_*`` bodies ru
 CUDA too (tests/gpu/test_limits_cuda.py)."""
 
 import copy
+import functools
 import random
 import threading
 
@@ -283,3 +284,72 @@ def check_host_generator_objects_decide_eagerly(device="cpu"):
 
 def test_host_generator_objects_decide_eagerly(standin):
     check_host_generator_objects_decide_eagerly()
+
+
+class _Holder:
+    """A plain object holding another (``self.h.inner.rng``)."""
+
+
+def _explore(x, rng):
+    return x * 2 if rng.random() < 0.5 else x - 1
+
+
+class Sampler:
+    """A plain object whose method (graphed as ``graphed(obj.pick)``) draws from its own
+    generator."""
+
+    def __init__(self, rng):
+        self.rng = rng
+
+    def pick(self, x):
+        return _explore(x, self.rng)
+
+
+def _routes(rng):
+    """The same exploring call reaching ``rng`` by each route users write."""
+    def defaulted(x, r=rng):
+        return _explore(x, r)
+
+    box = _Holder()
+    box.gens = [{"g": rng}]
+
+    def nested(x):
+        return _explore(x, box.gens[0]["g"])
+
+    def helper():
+        return rng.random() < 0.5
+
+    def through_helper(x):  # a helper function's closure holds it
+        return x * 2 if helper() else x - 1
+
+    module = nn.Module()
+    module.h = _Holder()
+    module.h.inner = _Holder()
+    module.h.inner.rng = rng
+    module.forward = lambda x: _explore(x, module.h.inner.rng)
+    return {"partial keyword": functools.partial(_explore, rng=rng),
+            "partial positional": functools.partial(lambda r, x: _explore(x, r), rng),
+            "default": defaulted, "list in a dict held by an object": nested,
+            "helper's closure": through_helper, "method of a plain object": Sampler(rng).pick,
+            "object held by an object of a module": module}
+
+
+def check_host_generators_reached_by_every_route_decide_eagerly(device="cpu"):
+    """A host generator bound by a ``functools.partial`` or a default argument, held
+    deeper (a list in a dict held by an object), held by a helper function the call
+    names, or by the object of a graphed method, decides as eager would: the call runs
+    eagerly (``host_random``) and the generator advances as eager's."""
+    for name in _routes(random.Random(0)):
+        autograph.reset()
+        gen, twin = random.Random(5), random.Random(5)
+        g, want_fn = autograph.graphed(_routes(gen)[name]), _routes(twin)[name]
+        for _ in range(10):
+            x = torch.randn(4, device=device)
+            assert torch.equal(g(x), want_fn(x)), name
+        assert gen.getstate() == twin.getstate(), name
+        s = autograph.stats(g)
+        assert s["replays"] == 0 and s["eager_reasons"].get("host_random", 0) >= 1, (name, s)
+
+
+def test_host_generators_reached_by_every_route_decide_eagerly(standin):
+    check_host_generators_reached_by_every_route_decide_eagerly()

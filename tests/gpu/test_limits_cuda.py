@@ -79,6 +79,7 @@ from ..test_rng import (
     check_a_custom_operator_that_draws_is_not_verified_nor_given_variants,
     check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds,
     check_host_generator_objects_decide_eagerly,
+    check_host_generators_reached_by_every_route_decide_eagerly,
 )
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
@@ -485,3 +486,7 @@ def test_one_region_entered_from_two_threads_keeps_each_threads_scope():
 
 def test_interleaved_regions_leave_only_their_own_entry():
     check_interleaved_regions_leave_only_their_own_entry("cuda")
+
+
+def test_host_generators_reached_by_every_route_decide_eagerly():
+    check_host_generators_reached_by_every_route_decide_eagerly("cuda")

@@ -276,7 +276,10 @@ class Watch:
         is tried first: with a trainable model under grad mode this is one check)."""
         last = self._last_grad
         if last is not None and last < len(self._names):
-            t = self._holders[last].get(self._names[last])
+            try:  # a scripted module's dicts (``OrderedDictWrapper``) have no ``get``
+                t = self._holders[last][self._names[last]]
+            except KeyError:
+                t = None
             if t is not None and t.requires_grad:
                 return True
         for i, t in enumerate(self.tensors()):

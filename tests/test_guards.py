@@ -1049,6 +1049,42 @@ def test_scripted_modules_attributes_and_modes_are_seen(standin):
     check_scripted_modules_attributes_and_modes_are_seen()
 
 
+class _WithScripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.sub = torch.jit.script(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.sub(x)))
+
+
+def check_a_scripted_submodule_trains(device="cpu"):
+    """A module holding a ``torch.jit.script`` submodule (whose parameter dict has no
+    ``get``), called under grad mode, replays with eager's outputs and gradients
+    (a second seeded instance: a deepcopy of a scripted module has non-leaf
+    parameters)."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(_WithScripted().to(device))
+    model, twin = models
+    g = autograph.graphed(model)
+    for _ in range(5):
+        x = torch.randn(3, 4, device=device)
+        got, want = g(x), twin(x)
+        torch.testing.assert_close(got, want)
+        got.square().sum().backward()
+        want.square().sum().backward()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_a_scripted_submodule_trains(standin):
+    check_a_scripted_submodule_trains()
+
+
 def test_non_leaf_arguments_raise_no_warning(standin):
     """Reading a non-leaf argument's ``.grad`` warns (an error under ``-W error``): a
     graphed head on a backbone's output, under grad mode, must not read it."""

@@ -45,6 +45,7 @@ from ..test_buckets import (
     check_the_padding_check_leaves_the_generator_as_it_found_it,
 )
 from ..test_guards import (
+    check_a_scripted_submodule_trains,
     check_an_optimizer_step_reads_the_gradients_it_is_given,
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
@@ -490,3 +491,7 @@ def test_interleaved_regions_leave_only_their_own_entry():
 
 def test_host_generators_reached_by_every_route_decide_eagerly():
     check_host_generators_reached_by_every_route_decide_eagerly("cuda")
+
+
+def test_a_scripted_submodule_trains():
+    check_a_scripted_submodule_trains("cuda")

@@ -23,9 +23,12 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .mutation import pass_higher_order
+
 BLOCK = 512  # the CUDA caching allocator's smallest block
 
 
+@pass_higher_order
 class _Footprint(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:  # see mutation._Recorder

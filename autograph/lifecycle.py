@@ -169,6 +169,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     hosts.rewind()  # their advance is no structural change (counters.py)
     try:
         if reads is not None and recorder is not None:  # first: training ignores AUTOGRAD
+            _check_followed(recorder)
             reads.check(recorder.seeded)
         if drew is rng.Move.SET or (recorder is not None and recorder.rng_set):
             # (not: tagged random operators ran and the generator stands still; some
@@ -203,6 +204,16 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         return Warmed(out, set(), [], None, seconds, problem, drew)
     return Warmed(out, recorder.written, list(recorder.hidden.values()), recorder.seeded,
                   seconds, problem, drew)
+
+
+def _check_followed(recorder: Any) -> None:
+    """A call running one of torch's higher-order operators (``torch.cond``,
+    ``while_loop``, ``flex_attention`` called eagerly) runs eagerly: their inner
+    operators run unseen by the recorder (what they write, read or draw)."""
+    if recorder.opaque is not None:
+        raise Uncapturable(EagerReason.CAPTURE_FAILED, f"it runs torch's higher-order "
+                           f"operator {recorder.opaque}, whose inner operators cannot be "
+                           f"followed")
 
 
 def _tensor_leaves(out: Any) -> list[torch.Tensor]:
@@ -452,6 +463,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         finally:
             needs = footprint.close()
             hosts.rewind()
+    _check_followed(recorder)
     if rng_free and recorder.seeded:  # its numbers would be frozen into the graph
         raise RandomFound()
     reads.check(recorder.seeded)

@@ -15,6 +15,7 @@ after capture by comparing the static buffers with the caller's tensors.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .rng import went_back
+
+# torch's higher-order operators by name (``cond``, ``while_loop``, ``flex_attention``)
+_HIGHER_ORDER: dict[str, Any] = getattr(torch._ops, "_higher_order_ops", {})
+_handled: set[str] = set()
 
 
 def storage_ptr(t: torch.Tensor) -> int:
@@ -91,6 +96,20 @@ class _Recorder(TorchDispatchMode):
         self.rng: Callable[[], Any] | None = None
         self.rng_set = False
         self.rng_last: Any = None
+        # a higher-order operator the call ran (``torch.cond``, ``while_loop``,
+        # ``flex_attention``): it runs unrecorded, its inner operators unseen
+        self.opaque: str | None = None
+
+    def __enter__(self) -> Any:
+        _EAGER.begin()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _EAGER.end()
+            _unskip()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -215,11 +234,109 @@ class _DynamoSafeRecorder(_Recorder):
     __torch_dispatch__ = _Recorder.__torch_dispatch__
 
 
+class _EagerStance:
+    """Dynamo's ``force_eager`` stance (``torch.compile``'d code runs eagerly) while any
+    recorder is active in the process, where Dynamo is imported: a recorder must see
+    every operator a call runs, and Dynamo, meeting a frame under a dispatch mode,
+    would run it uncompiled and mark its code skipped for ever (never compiled again).
+    The stance is process-wide, so it is counted: set by the first recorder entered,
+    restored by the last one left, whatever the threads' order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._set: Any = None  # the stance context, to restore what stood before
+
+    def begin(self) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                dynamo = sys.modules.get("torch._dynamo")
+                set_stance = getattr(dynamo, "set_stance", None)
+                if set_stance is not None:
+                    self._set = set_stance("force_eager")
+                    self._set.__enter__()
+
+    def end(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0 and self._set is not None:
+                stance, self._set = self._set, None
+                stance.__exit__(None, None, None)
+
+
+_EAGER = _EagerStance()
+
+
+def _unskip() -> None:
+    """Let Dynamo compile again the code objects it skipped while a recorder was active
+    before Dynamo was imported (``torch.cond`` imports it): with a dispatch mode
+    active, Dynamo runs a frame uncompiled and marks its code skipped for ever (a later
+    ``torch.cond`` would fail to trace).  Those hold nothing compiled: resetting the
+    code objects Dynamo met that hold nothing compiled loses nothing.  Dynamo meets
+    code only inside torch.compile, so the list is short, and empty without it."""
+    frames = sys.modules.get("torch._dynamo.convert_frame")
+    if frames is None or not frames.input_codes.seen:
+        return
+    native = sys.modules.get("torch._C._dynamo.eval_frame")
+    reset = getattr(native, "reset_code", None)
+    entries = getattr(native, "_debug_get_cache_entry_list", None)
+    if reset is None or entries is None:  # pragma: no cover - a torch without them
+        return
+    for ref in list(frames.input_codes.seen):
+        code = ref()
+        if code is not None and not entries(code):
+            reset(code)
+
+
+def _run_unrecorded(name: str) -> Callable[..., Any]:
+    """The rule of autograph's dispatch modes for the higher-order operator ``name``:
+    it runs (under the modes outside), and a recorder is marked ``opaque``: it cannot
+    follow the operator's inner operators.  Without a rule the operator would raise
+    under the mode."""
+    def rule(mode: TorchDispatchMode, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(mode, _Recorder):
+            mode.opaque = mode.opaque or name
+        return _HIGHER_ORDER[name](*args, **kwargs)
+
+    # kept from Dynamo, as torch keeps modes' __torch_dispatch__: an operator run eagerly
+    # (``torch.cond``) is inside a compile whose frames the mode made it skip
+    return torch._disable_dynamo(rule, recursive=True)
+
+
+_MODES: list[type] = []  # autograph's dispatch modes (:func:`pass_higher_order`)
+
+
+def pass_higher_order(mode: type) -> type:
+    """Register ``mode``, a dispatch mode of autograph's, for :func:`_run_unrecorded`'s
+    rule for each higher-order operator (made as they appear)."""
+    _MODES.append(mode)
+    _handled.clear()
+    return mode
+
+
+pass_higher_order(_Recorder)
+pass_higher_order(_DynamoSafeRecorder)
+
+
+def _handle_higher_order() -> None:
+    """Give autograph's modes a rule for each higher-order operator not yet handled
+    (torch makes some when a module is first imported)."""
+    for name, op in list(_HIGHER_ORDER.items()):
+        if name not in _handled:
+            _handled.add(name)
+            for cls in _MODES:
+                if cls not in op.python_key_table:
+                    op.py_impl(cls)(_run_unrecorded(name))
+
+
 def WriteRecorder(watched: dict[int, list[int]],  # noqa: N802 - a class to callers
                   known: set[int] | None = None) -> _Recorder:
     """A mode recording the watched storages written while it is active (and, given
     ``known``, hidden reads and random operators).  Dynamo-safe once Dynamo is imported
     (torch.compile may then run inside the recorded call)."""
+    if len(_handled) != len(_HIGHER_ORDER):
+        _handle_higher_order()
     if "torch._dynamo" in sys.modules:
         return _DynamoSafeRecorder(watched, known)
     return _Recorder(watched, known)

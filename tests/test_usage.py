@@ -1804,6 +1804,67 @@ def test_graphed_calls_inside_torch_compile_trace_the_original():
     check_graphed_calls_inside_torch_compile()
 
 
+def _branchy(x):
+    return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+
+def _looped(x):
+    from torch._higher_order_ops import while_loop
+
+    return while_loop(lambda i, t: i < 3, lambda i, t: (i + 1, t * 2),
+                      (torch.zeros((), dtype=torch.long, device=x.device), x))[1]
+
+
+def check_higher_order_operators_run_eagerly(device="cpu"):
+    """A call running one of torch's higher-order operators eagerly (``torch.cond``,
+    ``while_loop``) gives eager's results, whatever the grad mode: it raised under
+    autograph's recorder (no rule for its mode), and, once Dynamo had met the
+    operator's frame under the recorder, every later ``torch.cond``, graphed or not,
+    failed to trace.  It runs eagerly (its inner operators cannot be followed)."""
+    for fn in (_branchy, _looped):
+        g = autograph.graphed(fn)
+        for grad in (False, True, False):
+            with torch.set_grad_enabled(grad):
+                for i in range(4):
+                    x = torch.randn(3, 4, device=device) * (1 if i % 2 else -1)
+                    torch.testing.assert_close(g(x), fn(x))
+        s = autograph.stats(g)
+        assert s["eager_reasons"].get("capture_failed"), s
+        assert "higher-order" in str(s["eager_details"]), s
+
+
+def test_higher_order_operators_run_eagerly(standin):
+    check_higher_order_operators_run_eagerly()
+
+
+def check_compiled_code_met_in_a_graphed_call_compiles_later(device="cpu"):
+    """A ``torch.compile``'d function first called inside a graphed call's warmup runs
+    eagerly there (autograph's recorder must see its operators), and is compiled when
+    called outside: Dynamo marked its code skipped for ever under the recorder."""
+    compiled: list[int] = []
+
+    def backend(gm, example_inputs):
+        compiled.append(1)
+        return gm.forward
+
+    @torch.compile(backend=backend)
+    def inner(x):
+        return x.sin() * 2
+
+    g = autograph.graphed(lambda x: inner(x) + 1)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(3, device=device)
+            torch.testing.assert_close(g(x), x.sin() * 2 + 1)
+        assert autograph.stats(g)["replays"] >= 1, autograph.stats(g)
+        torch.testing.assert_close(inner(x), x.sin() * 2)
+    assert compiled, "inner was never compiled"
+
+
+def test_compiled_code_met_in_a_graphed_call_compiles_later(standin):
+    check_compiled_code_met_in_a_graphed_call_compiles_later()
+
+
 # Known differences from eager, found exploring on 2026-12-02 after the session's last GPU
 # run (a fix needs tests/gpu on CUDA): strict, so a fix that makes one pass fails the
 # suite until its mark is removed.

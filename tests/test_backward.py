@@ -1928,3 +1928,32 @@ def check_objects_made_by_a_training_call_take_gradients(device="cpu"):
 
 def test_objects_made_by_a_training_call_take_gradients(standin):
     check_objects_made_by_a_training_call_take_gradients()
+
+
+def check_a_single_training_output_keeps_its_layout_and_bits(device="cpu"):
+    """A training graph with one output hands out eager's tensor: a conjugate or
+    negative view keeps its bit, ``.imag`` and ``expand`` their strides (a plain clone
+    made them dense: writable where eager's raises); values and gradients as eager's."""
+    cases = {"conj": lambda w, x: (w * x).conj(),
+             "neg": lambda w, x: torch._neg_view(w * x),
+             "imag": lambda w, x: (w * x).imag,
+             "expand": lambda w, x: (w * x)[:1].expand(4, 3)}
+    for name, fn in cases.items():
+        g = autograph.graphed(fn)
+        for _ in range(4):
+            w = torch.randn(4, 3, dtype=torch.complex64, device=device, requires_grad=True)
+            x = torch.randn(4, 3, dtype=torch.complex64, device=device)
+            twin = w.detach().clone().requires_grad_()
+            got, want = g(w, x), fn(twin, x)
+            assert (got.is_conj(), got.is_neg(), got.stride()) == \
+                (want.is_conj(), want.is_neg(), want.stride()), name
+            torch.testing.assert_close(got.resolve_conj().resolve_neg(),
+                                       want.resolve_conj().resolve_neg())
+            got.abs().sum().backward()
+            want.abs().sum().backward()
+            torch.testing.assert_close(w.grad, twin.grad)
+        assert autograph.stats(g)["replays"] >= 1, (name, autograph.stats(g))
+
+
+def test_a_single_training_output_keeps_its_layout_and_bits(standin):
+    check_a_single_training_output_keeps_its_layout_and_bits()

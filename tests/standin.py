@@ -185,6 +185,8 @@ class RecordedGraph:
                 for old, new in _pairs(recorded, fresh):
                     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) \
                             and _storage(old) != _storage(new):
+                        if old.shape != new.shape:  # changed in place since (``squeeze_``)
+                            old = old.as_strided(new.size(), new.stride())
                         old.copy_(new)
 
 

@@ -13,6 +13,7 @@ from ..test_backward import (
     check_a_detached_output_aliases_its_base,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
     check_a_parameter_frozen_between_forward_and_backward,
+    check_a_single_training_output_keeps_its_layout_and_bits,
     check_another_threads_backward_is_not_the_calls,
     check_chunked_outputs_of_a_pending_call,
     check_eager_steps_before_graphed_training,
@@ -91,6 +92,7 @@ from ..test_usage import (
     check_attention_kernel_choices_are_keyed,
     check_class_tensors_and_modules_are_guarded,
     check_classmethods_decorated_in_the_class_body,
+    check_compiled_code_met_in_a_graphed_call_compiles_later,
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
     check_container_arguments_shared_nested_and_returned_twice,
@@ -99,6 +101,7 @@ from ..test_usage import (
     check_flags_read_through_namespaces_are_seen,
     check_function_modes_are_keyed,
     check_global_hooks_registered_through_any_name_are_seen,
+    check_higher_order_operators_run_eagerly,
     check_lists_and_dicts_a_module_holds,
     check_objects_the_call_returns,
     check_outputs_keep_the_class_and_requires_grad_the_call_gave_them,
@@ -495,3 +498,15 @@ def test_host_generators_reached_by_every_route_decide_eagerly():
 
 def test_a_scripted_submodule_trains():
     check_a_scripted_submodule_trains("cuda")
+
+
+def test_higher_order_operators_run_eagerly():
+    check_higher_order_operators_run_eagerly("cuda")
+
+
+def test_compiled_code_met_in_a_graphed_call_compiles_later():
+    check_compiled_code_met_in_a_graphed_call_compiles_later("cuda")
+
+
+def test_a_single_training_output_keeps_its_layout_and_bits():
+    check_a_single_training_output_keeps_its_layout_and_bits("cuda")

@@ -109,7 +109,6 @@ class _Recorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             _EAGER.end()
-            _unskip()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -240,7 +239,9 @@ class _EagerStance:
     every operator a call runs, and Dynamo, meeting a frame under a dispatch mode,
     would run it uncompiled and mark its code skipped for ever (never compiled again).
     The stance is process-wide, so it is counted: set by the first recorder entered,
-    restored by the last one left, whatever the threads' order."""
+    restored by the last one left, whatever the threads' order.  Where Dynamo was
+    imported only while recording (``torch.cond`` imports it), the code it skipped is
+    reset at the end (:func:`_unskip`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -253,24 +254,28 @@ class _EagerStance:
             if self._depth == 1:
                 dynamo = sys.modules.get("torch._dynamo")
                 set_stance = getattr(dynamo, "set_stance", None)
-                if set_stance is not None:
-                    self._set = set_stance("force_eager")
+                self._set = set_stance("force_eager") if set_stance is not None else None
+                if self._set is not None:
                     self._set.__enter__()
 
     def end(self) -> None:
         with self._lock:
             self._depth -= 1
-            if self._depth == 0 and self._set is not None:
-                stance, self._set = self._set, None
+            if self._depth:
+                return
+            stance, self._set = self._set, None
+            if stance is not None:
                 stance.__exit__(None, None, None)
+            else:
+                _unskip()
 
 
 _EAGER = _EagerStance()
 
 
 def _unskip() -> None:
-    """Let Dynamo compile again the code objects it skipped while a recorder was active
-    before Dynamo was imported (``torch.cond`` imports it): with a dispatch mode
+    """Let Dynamo compile again the code objects it skipped while recorders were active
+    with Dynamo imported only meanwhile (``torch.cond`` imports it): with a dispatch mode
     active, Dynamo runs a frame uncompiled and marks its code skipped for ever (a later
     ``torch.cond`` would fail to trace).  Those hold nothing compiled: resetting the
     code objects Dynamo met that hold nothing compiled loses nothing.  Dynamo meets

@@ -238,36 +238,54 @@ class _EagerStance:
     recorder is active in the process, where Dynamo is imported: a recorder must see
     every operator a call runs, and Dynamo, meeting a frame under a dispatch mode,
     would run it uncompiled and mark its code skipped for ever (never compiled again).
+
     The stance is process-wide, so it is counted: set by the first recorder entered,
-    restored by the last one left, whatever the threads' order.  Where Dynamo was
-    imported only while recording (``torch.cond`` imports it), the code it skipped is
-    reset at the end (:func:`_unskip`)."""
+    and put back by the last one left only if it is still the one set (a stance the
+    user set meanwhile stays); one put back by another's context exit is taken for the
+    stance that stood before, at the next recording.  Where Dynamo was imported only
+    while recording (``torch.cond`` imports it), the code it skipped is reset at the
+    end (:func:`_unskip`)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._depth = 0
-        self._set: Any = None  # the stance context, to restore what stood before
+        self._set: Any = None  # the ``set_stance`` made at the first entry, if any
+        self._ours: Any = None  # the stance it installed
+        self._prior: Any = None  # and what stood before it
 
     def begin(self) -> None:
         with self._lock:
             self._depth += 1
-            if self._depth == 1:
-                dynamo = sys.modules.get("torch._dynamo")
-                set_stance = getattr(dynamo, "set_stance", None)
-                self._set = set_stance("force_eager") if set_stance is not None else None
-                if self._set is not None:
-                    self._set.__enter__()
+            if self._depth > 1:
+                return
+            dynamo = sys.modules.get("torch._dynamo")
+            set_stance = getattr(dynamo, "set_stance", None)
+            self._set = None
+            if set_stance is None:
+                return
+            try:
+                made = set_stance("force_eager")
+            except RuntimeError:  # inside a torch.compile region: none can be set
+                return
+            if made.prev is self._ours:  # ours, left by another's exit: what stood before
+                made.prev = self._prior
+            self._set, self._ours, self._prior = made, made.stance, made.prev
 
     def end(self) -> None:
         with self._lock:
             self._depth -= 1
             if self._depth:
                 return
-            stance, self._set = self._set, None
-            if stance is not None:
-                stance.__exit__(None, None, None)
-            else:
+            made, self._set = self._set, None
+            if made is None:
                 _unskip()
+                return
+            frame = sys.modules.get("torch._dynamo.eval_frame")
+            if getattr(frame, "_stance", None) is self._ours:
+                try:
+                    made.__exit__(None, None, None)  # puts back what stood before
+                except RuntimeError:  # pragma: no cover - inside a compile region
+                    pass
 
 
 _EAGER = _EagerStance()

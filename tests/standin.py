@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autograph.capture import Pool
-from autograph.mutation import written_args
+from autograph.mutation import pass_higher_order, written_args
 
 T = TypeVar("T")
 aten = torch.ops.aten
@@ -43,6 +43,19 @@ HOST_SYNCS = {
 for _name in ("_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount"):
     if hasattr(aten, _name):
         HOST_SYNCS.add(getattr(aten, _name).default)
+# operators of other libraries that read device data on the host (by name: the library
+# may not be imported)
+_HOST_SYNC_NAMES = frozenset({"torchvision::nms"})
+
+
+def _sized_by_data(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` sizes its output from the data on the host (``nms``;
+    ``repeat_interleave`` of a repeats tensor without ``output_size``)."""
+    if func is aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    return getattr(func, "name", lambda: "")() in _HOST_SYNC_NAMES
+
+
 _MASK_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
                   aten._index_put_impl_.default}
 
@@ -97,6 +110,7 @@ def _host_reads_refused() -> Iterator[None]:
         _capturing.discard(me)
 
 
+@pass_higher_order  # a higher-order operator reaches the mode as on CUDA none would
 class _Recorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -105,7 +119,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in HOST_SYNCS or _mask_indexed(func, args):
+        if func in HOST_SYNCS or _mask_indexed(func, args) or _sized_by_data(func, kwargs):
             raise CaptureError(f"{func} is not permitted while the stream is capturing")
         if _INPLACE_VIEW is not None and _INPLACE_VIEW in func.tags:
             # a metadata change (``transpose_``): no kernel; the replay puts back the
@@ -325,3 +339,20 @@ class NullBackend(StandinBackend):
         finally:
             self._local.capturing = False
         return NullGraph(), out
+
+
+class Tally:
+    """What a test's graphed function counts or notes as it runs (Python that replays
+    skip): a list or dict named by the function would be a change autograph makes the
+    call eager for, a method of an object is not."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.seen: list[Any] = []
+
+    def tick(self) -> int:
+        self.n += 1
+        return self.n
+
+    def add(self, value: Any) -> None:
+        self.seen.append(value)

@@ -29,6 +29,8 @@ from torch.utils import _pytree as pytree
 
 import autograph
 
+from .standin import Tally
+
 pytestmark = pytest.mark.usefixtures("standin")
 
 ORIGINAL_CALL = nn.Module.__call__
@@ -597,6 +599,55 @@ def test_lists_and_dicts_a_module_holds(standin):
     check_lists_and_dicts_a_module_holds()
 
 
+SEEN_NORMS: list = []
+_MASKS: dict = {}
+
+
+def _logs_norms(x):
+    y = x * 2
+    SEEN_NORMS.append(y.norm())
+    return y
+
+
+def _cached_mask(x):
+    if x.shape not in _MASKS:  # filled once per shape: a lazy cache
+        _MASKS[x.shape] = torch.arange(x.shape[-1], device=x.device) % 2
+    return x * _MASKS[x.shape]
+
+
+def check_lists_and_dicts_named_as_globals_or_cells(device="cpu"):
+    """A function that appends to a global list or one in a closure cell runs eagerly
+    (a replay would not append; the capture's item would be the graph's tensor); one
+    that fills a global dict once (a lazy cache) is learned again and graphed."""
+    kept: list = []
+
+    def logs_to_a_cell(x):
+        kept.append(x.sum())
+        return x + 1
+
+    SEEN_NORMS.clear()
+    for fn, log in ((_logs_norms, SEEN_NORMS), (logs_to_a_cell, kept)):
+        g = autograph.graphed(fn)
+        xs = [torch.randn(3, device=device) for _ in range(6)]
+        norms = fn is _logs_norms
+        for x in xs:
+            torch.testing.assert_close(g(x), x * 2 if norms else x + 1)
+        assert len(log) == 6, len(log)
+        want = [(x * 2).norm() if norms else x.sum() for x in xs]
+        torch.testing.assert_close(torch.stack(log), torch.stack(want))
+        s = autograph.stats(g)
+        assert s["replays"] == 0 and s["eager_reasons"].get("assigns_attribute"), s
+    g = autograph.graphed(_cached_mask)
+    for _ in range(6):
+        x = torch.randn(2, 4, device=device)
+        torch.testing.assert_close(g(x), x * (torch.arange(4, device=device) % 2))
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_lists_and_dicts_named_as_globals_or_cells(standin):
+    check_lists_and_dicts_named_as_globals_or_cells()
+
+
 class _Layer:
     def __init__(self, k, v):
         self.keys, self.values, self.ready = k, v, True
@@ -894,11 +945,10 @@ def test_a_returned_torch_size_stays_a_torch_size():
 
 
 def test_an_exception_on_the_capturing_call_propagates_once_and_the_body_runs_once():
-    runs = [0]
+    runs = Tally()
 
     def f(x):
-        runs[0] += 1
-        if runs[0] == 3:  # the call that captures
+        if runs.tick() == 3:  # the call that captures
             raise ValueError("third call")
         return x * 2 + 1
 
@@ -907,10 +957,10 @@ def test_an_exception_on_the_capturing_call_propagates_once_and_the_body_runs_on
         for i in range(2):
             x = torch.randn(4)
             torch.testing.assert_close(g(x), x * 2 + 1)
-            assert runs[0] == i + 1
+            assert runs.n == i + 1
         with pytest.raises(ValueError, match="third call"):
             g(torch.randn(4))
-        assert runs[0] == 3
+        assert runs.n == 3
         for _ in range(CALLS):
             x = torch.randn(4)
             torch.testing.assert_close(g(x), x * 2 + 1)
@@ -919,11 +969,10 @@ def test_an_exception_on_the_capturing_call_propagates_once_and_the_body_runs_on
 
 @pytest.mark.parametrize("failing", [1, 2])
 def test_an_exception_in_a_warmup_call_propagates_once(failing):
-    runs = [0]
+    runs = Tally()
 
     def f(x):
-        runs[0] += 1
-        if runs[0] == failing:
+        if runs.tick() == failing:
             raise ValueError("warmup")
         return x.exp()
 
@@ -931,14 +980,14 @@ def test_an_exception_in_a_warmup_call_propagates_once(failing):
     with torch.no_grad():
         for call in range(1, 3 + CALLS):
             x = torch.randn(4)
-            before = runs[0]
+            before = runs.n
             if call == failing:
                 with pytest.raises(ValueError, match="warmup"):
                     g(x)
             else:
                 torch.testing.assert_close(g(x), x.exp())
             if call <= 4:  # warmups and the capture: the body ran exactly once
-                assert runs[0] == before + 1, (call, runs[0])
+                assert runs.n == before + 1, (call, runs.n)
     replayed(g)
 
 
@@ -953,14 +1002,14 @@ class Flaky(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
-        RUNS[id(self)] = [0]
+        RUNS[id(self)] = Tally()
 
     @property
     def runs(self):
         return RUNS[id(self)]
 
     def forward(self, x):
-        RUNS[id(self)][0] += 1
+        RUNS[id(self)].tick()
         if FAIL["on"]:
             raise ValueError("flag")
         return self.fc(x)
@@ -984,11 +1033,11 @@ def test_a_module_raising_on_the_capturing_call(style):
             for i in range(2):
                 x = torch.randn(3, 4)
                 torch.testing.assert_close(call(x), m.fc(x))
-                assert m.runs[0] == i + 1
+                assert m.runs.n == i + 1
             FAIL["on"] = True
             with pytest.raises(ValueError, match="flag"):
                 call(torch.randn(3, 4))
-            assert m.runs[0] == 3
+            assert m.runs.n == 3
             FAIL["on"] = False
             for _ in range(CALLS):
                 x = torch.randn(3, 4)
@@ -1865,6 +1914,34 @@ def test_compiled_code_met_in_a_graphed_call_compiles_later(standin):
     check_compiled_code_met_in_a_graphed_call_compiles_later()
 
 
+def test_dynamos_stance_is_put_back_as_the_user_left_it():
+    """Recording runs compiled code eagerly (Dynamo's ``force_eager`` stance, process-
+    wide): a stance the user sets inside the recorded call stays, and one left stuck by
+    another's context exit overlapping a recording is put back at the next recording."""
+    import torch._dynamo  # noqa: F401 - the stance needs Dynamo
+    from torch._dynamo import eval_frame
+
+    from autograph.mutation import WriteRecorder
+
+    try:
+        with WriteRecorder({}, set()):
+            assert eval_frame._stance.stance == "force_eager"
+            torch.compiler.set_stance("eager_on_recompile")
+        assert eval_frame._stance.stance == "eager_on_recompile"
+        torch.compiler.set_stance("default")
+        recorder = WriteRecorder({}, set())
+        recorder.__enter__()
+        other = torch.compiler.set_stance("eager_on_recompile")
+        other.__enter__()  # another thread's context, overlapping the recording
+        recorder.__exit__(None, None, None)
+        other.__exit__(None, None, None)  # puts back the recording's force_eager
+        with WriteRecorder({}, set()):
+            pass
+        assert eval_frame._stance.stance == "default"
+    finally:
+        torch.compiler.set_stance("default")
+
+
 # Known differences from eager, found exploring on 2026-12-02 after the session's last GPU
 # run (a fix needs tests/gpu on CUDA): strict, so a fix that makes one pass fails the
 # suite until its mark is removed.
@@ -2297,8 +2374,46 @@ def check_flags_read_through_namespaces_are_seen(device: str = "cpu") -> None:
             torch.testing.assert_close(COUNTS.last, x * 2)
 
 
+def test_settings_held_per_thread_are_seen(standin):
+    check_settings_held_per_thread_are_seen()
+
+
 def test_flags_read_through_namespaces_are_seen(standin):
     check_flags_read_through_namespaces_are_seen()
+
+
+class _PerThread(threading.local):
+    scale = 1.0
+
+
+PER_THREAD = _PerThread()
+PLAIN_LOCAL = threading.local()
+
+
+def _scaled_per_thread(x):
+    return x * PER_THREAD.scale + PLAIN_LOCAL.shift
+
+
+def check_settings_held_per_thread_are_seen(device="cpu"):
+    """A setting read from a ``threading.local`` (a subclass, or a plain one) is each
+    thread's own: a graph captured in one thread is not replayed with its value in
+    another (each thread got the first thread's result)."""
+    g = autograph.graphed(_scaled_per_thread)
+    bad: list = []
+
+    def serve(scale, shift):
+        PER_THREAD.scale, PLAIN_LOCAL.shift = scale, shift
+        for _ in range(5):
+            x = torch.randn(3, device=device)
+            if not torch.allclose(g(x), x * scale + shift):
+                bad.append((scale, shift))
+
+    for scale, shift in ((2.0, 0.0), (3.0, 0.0), (3.0, 1.0)):
+        t = threading.Thread(target=serve, args=(scale, shift))
+        t.start()
+        t.join(timeout=60)
+    assert not bad, bad
+    assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
 
 
 class Tagged(torch.Tensor):

@@ -50,7 +50,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import gradgraph, recompute, replay, versions
-from .buffers import clone_differs
 from .capture import Backend, OnPool
 from .flat import size_leaf
 from .gradgraph import copy_all
@@ -205,11 +204,12 @@ class Trained(replay.Captured):
         self.diff = [k for k, t in enumerate(pooled) if t.requires_grad]
         self.nondiff = [k for k, t in enumerate(pooled) if not t.requires_grad]
         self.static_diff = [pooled[k] for k in self.diff]  # with the captured grad_fn
-        # one tensor out, in the pool: no flattening per call (not one object around it),
-        # where a clone is eager's tensor (not a conjugate, ``expand``-ed one)
+        # one tensor out, in the pool: no flattening per call (not one object around it);
+        # handed out as a dense clone, a tensor of its own (a view made inside the
+        # Function could not be written in place), the conjugate and negative bits of a
+        # view such as ``.conj()`` resolved (docs/semantics.md)
         self.single = pooled[0] if self.spec.num_leaves == 1 and len(pooled) == 1 \
-            and self.spec.is_leaf() and self.spliced is None \
-            and not clone_differs(pooled[0]) else None
+            and self.spec.is_leaf() and self.spliced is None else None
         # one target per distinct static buffer that requires grad, then the state
         first: dict[int, int] = {}
         for i, buf in zip(base.static.positions, base.static.buffers):

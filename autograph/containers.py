@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .coderefs import same
+from .coderefs import _cell_getter, _global_names, same
 from .flat import Flat, size_leaf, unopened
 from .vocab import EagerReason, Uncapturable
 
@@ -187,34 +187,62 @@ MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _HELD_TYPES = (list, dict, set, collections.deque)  # and their subclasses
 MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchecked)
 
-# ("Module.name", a container it holds (or one inside it), the ids of what that holds,
-# a shallow copy)
+# ("Module.name" or a global's name, a container it holds (or one inside it), the ids
+# of what that holds, a shallow copy)
 Held = list[tuple[str, Any, tuple[int, ...], Any]]
-MODULE_CONTAINER = "a list, dict or set that a module holds"
+MODULE_CONTAINER = "a list, dict or set that a module holds or the code names"
 
 
-def held(modules: Iterable[nn.Module]) -> Held:
+def held(modules: Iterable[nn.Module], named: Iterable[tuple[str, Any]] = ()) -> Held:
     """The lists, dicts, sets and deques (``OrderedDict``, ``defaultdict`` too)
-    ``modules`` hold as plain attributes (``self.maps = []``), and those inside them,
-    with what each holds now."""
+    ``modules`` hold as plain attributes (``self.maps = []``), those ``named`` (globals
+    and closure cells the code names, :func:`named_by`), and those inside them, with
+    what each holds now."""
     out: Held = []
-    budget = MAX_HELD
+    budget = [MAX_HELD]
     for m in modules:
         for name, value in vars(m).items():
-            if name in MODULE_INTERNALS or not isinstance(value, _HELD_TYPES):
-                continue
-            stack = [value]
-            seen: set[int] = set()
-            while stack and budget > 0:
-                c = stack.pop()
-                if id(c) in seen:
-                    continue
-                seen.add(id(c))
-                contents = _contents(c)
-                budget -= len(contents)
-                out.append((f"{type(m).__name__}.{name}", c, contents, copy.copy(c)))
-                inner = c.values() if isinstance(c, dict) else c
-                stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
+            if name not in MODULE_INTERNALS and isinstance(value, _HELD_TYPES):
+                _hold(f"{type(m).__name__}.{name}", value, out, budget)
+    for label, value in named:
+        _hold(label, value, out, budget)
+    return out
+
+
+def _hold(label: str, value: Any, out: Held, budget: list[int]) -> None:
+    """Add ``value`` and the containers inside it to ``out`` (``budget``: the items
+    left to compare)."""
+    stack = [value]
+    seen: set[int] = set()
+    while stack and budget[0] > 0:
+        c = stack.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        contents = _contents(c)
+        budget[0] -= len(contents)
+        out.append((label, c, contents, copy.copy(c)))
+        inner = c.values() if isinstance(c, dict) else c
+        stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
+
+
+def named_by(codes: Iterable[Any]) -> list[tuple[str, Any]]:
+    """The lists, dicts, sets and deques the functions ``codes`` name as globals or
+    closure cells (``SEEN.append(y)`` with ``SEEN = []`` global): a change the call
+    makes to one is Python a replay would not repeat."""
+    out: list[tuple[str, Any]] = []
+    for f in codes:
+        code = getattr(f, "__code__", None)
+        if code is None:
+            continue
+        glb = getattr(f, "__globals__", {})
+        loads, _ = _global_names(code)
+        out += [(name, v) for name in sorted(loads)
+                if isinstance(v := glb.get(name), _HELD_TYPES)]
+        for name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
+            v = _cell_getter(cell)()
+            if isinstance(v, _HELD_TYPES):
+                out.append((name, v))
     return out
 
 

@@ -38,6 +38,7 @@ callable's graphs by hand.
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 import weakref
@@ -47,8 +48,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import notify
+from . import containers, notify
 from .coderefs import (
+    _unwrapped,
+    _user_class,
     changed_attribute,
     class_refs,
     code_refs,
@@ -400,6 +403,19 @@ class Watch:
         owner = self._owner() if self._owner is not None else None
         code = self._code if self._code is not None else fn
         return host_generators(code, self.every_module(), arguments, owner)
+
+    def held(self, fn: Callable[..., Any]) -> containers.Held:
+        """The containers a call of ``fn`` may change (:func:`containers.held`): those
+        the watched modules hold, and those the user's code and the modules' forwards
+        name as globals or closure cells."""
+        code = self._code if self._code is not None else fn
+        while isinstance(code, functools.partial):
+            code = code.func
+        modules = self.every_module()
+        codes = {id(f): f for f in [_unwrapped(code)] + [
+            _unwrapped(type(m).forward) for m in modules
+            if _user_class(type(m)) and getattr(type(m), "forward", None) is not None]}
+        return containers.held(modules, containers.named_by(codes.values()))
 
     def attribute_tensors(self) -> list[torch.Tensor]:
         """Tensors held as plain attributes of the watched modules (``self.table =

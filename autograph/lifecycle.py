@@ -138,7 +138,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     args, kwargs = flat.call()
     shapes = _geometry(flat.leaves, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs) if learn else []
-    held = containers.held(watch.every_module()) if learn else []
+    held = watch.held(fn) if learn else []
     refs = watch.ref_values() if learn else None
     state = list(watch.tensors()) if learn else []
     tags = [_attributes(t) for t in state]
@@ -419,7 +419,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs)
-    held = containers.held(watch.every_module())
+    held = watch.held(fn)
     refs = watch.ref_values()
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))

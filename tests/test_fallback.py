@@ -10,6 +10,8 @@ from torch import nn
 import autograph
 from autograph.lookup import handle_of
 
+from .standin import Tally
+
 
 def test_host_sync_in_forward_falls_back_once(standin, caplog):
     @autograph.graphed(warmup=1)
@@ -81,12 +83,11 @@ def test_user_exception_in_warmup_propagates_unchanged(standin):
 
 
 def test_user_exception_at_capture_propagates_once_and_leaves_no_entry(standin):
-    calls = {"n": 0}
+    calls = Tally()
 
     @autograph.graphed(warmup=1)
     def f(x):
-        calls["n"] += 1
-        if calls["n"] == 2:  # the capture
+        if calls.tick() == 2:  # the capture
             raise ValueError("bad input")
         return x + 1
 
@@ -94,7 +95,7 @@ def test_user_exception_at_capture_propagates_once_and_leaves_no_entry(standin):
         f(torch.ones(1))
         with pytest.raises(ValueError, match="bad input"):
             f(torch.ones(1))
-        assert calls["n"] == 2  # the body ran once for the call that raised: no retry
+        assert calls.n == 2  # the body ran once for the call that raised: no retry
         assert not standin.is_capturing(torch.device("cpu"))
         for _ in range(4):  # a warmup first (the capture raised), a capture, replays
             torch.testing.assert_close(f(torch.ones(1)), torch.full((1,), 2.0))

@@ -19,6 +19,7 @@ import functools
 import inspect
 import math
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -207,6 +208,8 @@ def _namespace(value: Any) -> bool:
     not the standard library's, torch's or numpy's."""
     if isinstance(value, types.ModuleType):
         top = value.__name__.partition(".")[0]
+    elif isinstance(value, threading.local):  # settings per thread (read as each sees them)
+        return True
     elif isinstance(value, types.SimpleNamespace) or (
             type(value).__name__ == "Namespace" and type(value).__module__ == "argparse"):
         return True  # (``args = parser.parse_args()``)
@@ -258,6 +261,9 @@ def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset
     under ``names`` (read from its ``__dict__``: no property runs), and, ``depth``
     levels down, those of the namespaces it holds that the code reads further
     (``mypkg.consts.SCALE``, ``cfg.sub.k``; ``loads`` by dotted ``path``)."""
+    if isinstance(obj, threading.local):  # each thread's own values: read by getattr
+        return [(_local_getter(obj, n), getattr(obj, n, MISSING))
+                for n in sorted(names) if not n.startswith("__")]
     d = vars(obj)
     out: list[tuple[Callable[[], Any], Any]] = []
     for n in sorted(names):
@@ -469,6 +475,14 @@ _PLAIN = (*_SCALARS, enum.Enum, torch.dtype, torch.device)
 
 def _trackable(value: Any) -> bool:
     return isinstance(value, (nn.Module, torch.Tensor)) or _plain(value)
+
+
+def _local_getter(obj: threading.local, name: str) -> Callable[[], Any]:
+    """A getter of ``obj.name`` as the calling thread sees it (``threading.local``)."""
+    def get() -> Any:
+        return getattr(obj, name, MISSING)
+
+    return get
 
 
 def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:

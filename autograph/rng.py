@@ -15,6 +15,7 @@ is watched is the generator: its seed and position before and after each warmup
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import itertools
@@ -93,12 +94,13 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
     """The host generator objects a call reaches by name, whose draws may decide what
     it runs (``self.rng.random() < eps`` with a ``random.Random`` or a numpy
     ``Generator``; a CPU ``torch.Generator``): those held by the watched ``modules``
-    (as attributes, in containers or plain objects three levels down, as class
-    attributes of their user classes), by the graphed method's object (``owner``, or
-    ``fn.__self__``), among the ``arguments``, bound by a ``functools.partial`` or as
-    a default argument, and named (or held by a namespace named) as globals or closure
-    cells by the function's code or a module's ``forward``.  The global streams are
-    read by ``lifecycle`` itself."""
+    (as attributes, or two containers or plain objects down, as class attributes of
+    their user classes), by the graphed method's object (``owner``, or
+    ``fn.__self__``: under the attribute names its code uses), among the
+    ``arguments``, bound by a ``functools.partial`` or as a default argument, and named
+    (or held by a namespace named) as globals or closure cells by the function's code,
+    the user's functions it names, or a module's ``forward``; three levels down from
+    all but the modules.  The global streams are read by ``lifecycle`` itself."""
     found: dict[int, Any] = {}
     budget = [_READ]  # values read in all: a huge container costs the warmup little
 
@@ -109,16 +111,16 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
                 return
             if _host_generator(v):
                 found.setdefault(id(v), v)
-            elif depth and isinstance(v, (list, tuple)):
+            elif depth and isinstance(v, (list, tuple, collections.deque)):
                 add(v, depth - 1)
             elif depth and isinstance(v, dict):
                 add(v.values(), depth - 1)
-            elif depth and coderefs._namespace(v):
-                add(vars(v).values(), depth - 1)
+            elif depth and (coderefs._namespace(v) or _slotted(v)):
+                add(_attribute_values(v), depth - 1)
 
     codes: list[Any] = []
     for m in modules:
-        add(vars(m).values())
+        add(vars(m).values(), depth=2)
         for klass in type(m).__mro__:
             if coderefs._user_class(klass):
                 add(vars(klass).values(), depth=0)
@@ -131,10 +133,12 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
         fn = fn.func
     if owner is None:
         owner = getattr(fn, "__self__", None)
-    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-        add(vars(owner).values())
-    add(arguments)
     inner = coderefs._unwrapped(fn)
+    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+        code = getattr(inner, "__code__", None)  # what the method names of its object
+        names = coderefs._code_names(code) if code is not None else set()
+        add([v for k, v in vars(owner).items() if k in names])
+    add(arguments)
     add(getattr(inner, "__defaults__", None) or ())
     add((getattr(inner, "__kwdefaults__", None) or {}).values())
     codes.append(inner)
@@ -153,6 +157,26 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
     return tuple(found.values())
 
 
+def _slotted(value: Any) -> bool:
+    """An object of a user's class with ``__slots__`` (no ``__dict__`` to read)."""
+    return (not hasattr(value, "__dict__") and hasattr(type(value), "__slots__")
+            and coderefs._user_class(type(value)) and not isinstance(value, type))
+
+
+def _attribute_values(value: Any) -> list[Any]:
+    """The values of an object's attributes: its ``__dict__`` and its slots."""
+    out = list(vars(value).values()) if hasattr(value, "__dict__") else []
+    for klass in type(value).__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__"):
+                got = getattr(value, name, _MISSING)
+                if got is not _MISSING:
+                    out.append(got)
+    return out
+
+
+_MISSING = object()
 _SCANNED = 64  # the items read of one container, and the functions read, by host_generators
 _READ = 4096  # the values host_generators reads in all
 

@@ -3,8 +3,10 @@ only draw replay with eager's numbers under the same seeds.  Through the stand-i
 whose capture, like a CUDA one, advances no generator; the ``check_*`` bodies run on
 CUDA too (tests/gpu/test_limits_cuda.py)."""
 
+import collections
 import copy
 import functools
+import itertools
 import random
 import threading
 
@@ -130,11 +132,10 @@ def test_another_threads_draws_during_a_warmup_are_not_the_calls(standin):
     """The generator moving during a warmup is no sign that the call draws: another
     thread may draw meanwhile.  The call is still captured without the generator, so
     that thread's draws keep working during captures."""
-    calls = [0]
+    calls = itertools.count(1)  # (a list counter would be a change replays drop: eager)
 
     def f(x):
-        calls[0] += 1
-        if calls[0] <= 2:  # during the warmups: another thread draws
+        if next(calls) <= 2:  # during the warmups: another thread draws
             worker = threading.Thread(target=lambda: torch.rand(8))
             worker.start()
             worker.join()
@@ -159,11 +160,10 @@ def test_a_seed_set_once_elsewhere_or_a_draw_made_once_is_learned_again(standin)
             state["proj"] = torch.randn(4, 4)
         return x @ state["proj"]
 
-    calls = [0]
+    calls = itertools.count(1)
 
     def seeded_elsewhere(x):
-        calls[0] += 1
-        if calls[0] == 1:  # another thread seeds meanwhile
+        if next(calls) == 1:  # another thread seeds meanwhile
             worker = threading.Thread(target=lambda: torch.manual_seed(123))
             worker.start()
             worker.join()
@@ -290,6 +290,13 @@ class _Holder:
     """A plain object holding another (``self.h.inner.rng``)."""
 
 
+class _Slotted:
+    __slots__ = ("rng",)
+
+    def __init__(self, rng):
+        self.rng = rng
+
+
 def _explore(x, rng):
     return x * 2 if rng.random() < 0.5 else x - 1
 
@@ -322,6 +329,15 @@ def _routes(rng):
     def through_helper(x):  # a helper function's closure holds it
         return x * 2 if helper() else x - 1
 
+    slotted = _Slotted(rng)
+    queue = collections.deque([rng])
+
+    def in_slots(x):
+        return _explore(x, slotted.rng)
+
+    def in_a_deque(x):
+        return _explore(x, queue[0])
+
     module = nn.Module()
     module.h = _Holder()
     module.h.inner = _Holder()
@@ -331,7 +347,8 @@ def _routes(rng):
             "partial positional": functools.partial(lambda r, x: _explore(x, r), rng),
             "default": defaulted, "list in a dict held by an object": nested,
             "helper's closure": through_helper, "method of a plain object": Sampler(rng).pick,
-            "object held by an object of a module": module}
+            "object held by an object of a module": module, "slots": in_slots,
+            "deque": in_a_deque}
 
 
 def check_host_generators_reached_by_every_route_decide_eagerly(device="cpu"):
@@ -353,3 +370,39 @@ def check_host_generators_reached_by_every_route_decide_eagerly(device="cpu"):
 
 def test_host_generators_reached_by_every_route_decide_eagerly(standin):
     check_host_generators_reached_by_every_route_decide_eagerly()
+
+
+_ELSEWHERE: list = []  # what another thread does meanwhile (here: inside the call)
+
+
+class _Prefetching(nn.Linear):
+    def forward(self, x):
+        _ELSEWHERE[0]()  # as a prefetching thread drawing from the data's generator
+        return super().forward(x)
+
+
+class _Trainer:
+    """A trainer whose graphed method never draws from the data's generator."""
+
+    def __init__(self):
+        self.model = _Prefetching(4, 4)
+        self.data = _Holder()
+        self.data.rng = random.Random(0)
+
+    def step(self, x):
+        return self.model(x)
+
+
+def test_a_generator_the_method_never_names_is_not_watched(standin):
+    """A generator held under an attribute the graphed method's code never names (the
+    data's sampler, advanced by a prefetching thread while the call runs) leaves the
+    call graphed."""
+    trainer = _Trainer()
+    _ELSEWHERE[:] = [trainer.data.rng.random]
+    g = autograph.graphed(trainer.step)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), nn.functional.linear(
+                x, trainer.model.weight, trainer.model.bias))
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)

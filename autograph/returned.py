@@ -259,8 +259,8 @@ def _plain_class(cls: type) -> bool:
     """A class whose instances copy as plain objects: defined in Python (not a builtin,
     not torch's but its distributions), no module or function, no copy protocol of its
     own."""
-    if cls.__module__ in ("builtins",) or (cls.__module__.startswith("torch")
-                                          and not cls.__module__.startswith(_DISTRIBUTIONS)):
+    top = cls.__module__.partition(".")[0]  # (torchvision's, torchaudio's are plain)
+    if top == "builtins" or (top == "torch" and not cls.__module__.startswith(_DISTRIBUTIONS)):
         return False
     if issubclass(cls, (torch.nn.Module, types.FunctionType, types.MethodType,
                         types.ModuleType, BaseException)):

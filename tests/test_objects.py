@@ -968,3 +968,31 @@ def check_an_argument_object_inside_a_returned_object_is_the_calls_own(device="c
 
 def test_an_argument_object_inside_a_returned_object_is_the_calls_own(standin):
     check_an_argument_object_inside_a_returned_object_is_the_calls_own()
+
+
+class _ImageList:
+    """As torchvision's ``ImageList`` (a plain object of a library named torch-something)."""
+
+    def __init__(self, tensors, image_sizes):
+        self.tensors, self.image_sizes = tensors, image_sizes
+
+
+_ImageList.__module__ = "torchvision.models.detection.image_list"
+
+
+def check_objects_of_libraries_named_torch_something_are_plain(device="cpu"):
+    """An object of torchvision's, torchaudio's or torch_geometric's returned by a call
+    is made again per replay as any plain object (its module name starting with
+    "torch" made it ``unsupported_output``: ``graphed(model.transform)`` never
+    replayed)."""
+    g = autograph.graphed(lambda x: _ImageList(x * 2, [tuple(x.shape[-2:])]))
+    for _ in range(5):
+        x = torch.randn(1, 3, 4, 4, device=device)
+        out = g(x)
+        assert type(out) is _ImageList and out.image_sizes == [(4, 4)]
+        torch.testing.assert_close(out.tensors, x * 2)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_objects_of_libraries_named_torch_something_are_plain(standin):
+    check_objects_of_libraries_named_torch_something_are_plain()

@@ -13,7 +13,7 @@ from ..test_backward import (
     check_a_detached_output_aliases_its_base,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
     check_a_parameter_frozen_between_forward_and_backward,
-    check_a_single_training_output_keeps_its_layout_and_bits,
+    check_a_single_training_output_can_be_written_in_place,
     check_another_threads_backward_is_not_the_calls,
     check_chunked_outputs_of_a_pending_call,
     check_eager_steps_before_graphed_training,
@@ -66,6 +66,7 @@ from ..test_objects import (
     check_a_graphed_sentence_transformer_fills_the_callers_features,
     check_an_argument_object_inside_a_returned_object_is_the_calls_own,
     check_argument_that_is_an_objects_tensor,
+    check_objects_of_libraries_named_torch_something_are_plain,
     check_output_that_is_an_objects_tensor,
     check_training_a_model_that_returns_a_dynamic_cache,
 )
@@ -103,6 +104,7 @@ from ..test_usage import (
     check_global_hooks_registered_through_any_name_are_seen,
     check_higher_order_operators_run_eagerly,
     check_lists_and_dicts_a_module_holds,
+    check_lists_and_dicts_named_as_globals_or_cells,
     check_objects_the_call_returns,
     check_outputs_keep_the_class_and_requires_grad_the_call_gave_them,
     check_overlapping_outputs_keep_their_layout,
@@ -112,6 +114,7 @@ from ..test_usage import (
     check_returned_attribute_tensors_are_themselves,
     check_returned_objects_keep_identities,
     check_running_statistics_written_under_inference_mode,
+    check_settings_held_per_thread_are_seen,
     check_shared_outputs_keep_conjugate_and_negative_bits,
     check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
@@ -508,5 +511,17 @@ def test_compiled_code_met_in_a_graphed_call_compiles_later():
     check_compiled_code_met_in_a_graphed_call_compiles_later("cuda")
 
 
-def test_a_single_training_output_keeps_its_layout_and_bits():
-    check_a_single_training_output_keeps_its_layout_and_bits("cuda")
+def test_a_single_training_output_can_be_written_in_place():
+    check_a_single_training_output_can_be_written_in_place("cuda")
+
+
+def test_objects_of_libraries_named_torch_something_are_plain():
+    check_objects_of_libraries_named_torch_something_are_plain("cuda")
+
+
+def test_lists_and_dicts_named_as_globals_or_cells():
+    check_lists_and_dicts_named_as_globals_or_cells("cuda")
+
+
+def test_settings_held_per_thread_are_seen():
+    check_settings_held_per_thread_are_seen("cuda")

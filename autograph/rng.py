@@ -135,8 +135,8 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
         owner = getattr(fn, "__self__", None)
     inner = coderefs._unwrapped(fn)
     if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-        code = getattr(inner, "__code__", None)  # what the method names of its object
-        names = coderefs._code_names(code) if code is not None else set()
+        # what the method names of its object, and the methods of its class it calls
+        names = coderefs._attribute_names(type(owner), coderefs._codes_of(inner))
         add([v for k, v in vars(owner).items() if k in names])
     add(arguments)
     add(getattr(inner, "__defaults__", None) or ())

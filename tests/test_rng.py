@@ -311,6 +311,12 @@ class Sampler:
     def pick(self, x):
         return _explore(x, self.rng)
 
+    def explores(self):
+        return self.rng.random() < 0.5
+
+    def pick_through_a_method(self, x):  # the generator named by another method
+        return x * 2 if self.explores() else x - 1
+
 
 def _routes(rng):
     """The same exploring call reaching ``rng`` by each route users write."""
@@ -347,6 +353,7 @@ def _routes(rng):
             "partial positional": functools.partial(lambda r, x: _explore(x, r), rng),
             "default": defaulted, "list in a dict held by an object": nested,
             "helper's closure": through_helper, "method of a plain object": Sampler(rng).pick,
+            "method calling a method": Sampler(rng).pick_through_a_method,
             "object held by an object of a module": module, "slots": in_slots,
             "deque": in_a_deque}
 

@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 import autograph
 
+from ..standin import Tally
 from ..test_backward import check_checkpointing
 from ..test_guards import check_configuration_objects_are_guarded
 from ..test_usage import counts, one, replayed  # the CPU file's counting helpers
@@ -135,11 +136,10 @@ def test_an_output_view_of_a_strided_argument_is_that_view_of_the_callers_tensor
 def test_an_exception_in_warmup_or_capture_propagates_once_and_the_body_runs_once(failing):
     torch.manual_seed(0)
     lin = nn.Linear(32, 32).cuda().eval()
-    runs = [0]
+    runs = Tally()
 
     def f(x):
-        runs[0] += 1
-        if runs[0] == failing:
+        if runs.tick() == failing:
             raise ValueError("boom")
         return lin(x)
 
@@ -147,14 +147,14 @@ def test_an_exception_in_warmup_or_capture_propagates_once_and_the_body_runs_onc
     with torch.no_grad():
         for call in range(1, 3 + CALLS):
             x = randn(4, 32)
-            before = runs[0]
+            before = runs.n
             if call == failing:
                 with pytest.raises(ValueError, match="boom"):
                     g(x)
             else:
                 torch.testing.assert_close(g(x), lin(x))
             if call <= 4:
-                assert runs[0] == before + 1, (call, runs[0])
+                assert runs.n == before + 1, (call, runs.n)
         torch.randn(1, device=CUDA)  # random numbers still work after it
     replayed(g)
 

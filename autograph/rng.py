@@ -96,11 +96,12 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
     ``Generator``; a CPU ``torch.Generator``): those held by the watched ``modules``
     (as attributes, or two containers or plain objects down, as class attributes of
     their user classes), by the graphed method's object (``owner``, or
-    ``fn.__self__``: under the attribute names its code uses), among the
+    ``fn.__self__``: its attributes, and deeper under the names its code uses), among the
     ``arguments``, bound by a ``functools.partial`` or as a default argument, and named
-    (or held by a namespace named) as globals or closure cells by the function's code,
-    the user's functions it names, or a module's ``forward``; three levels down from
-    all but the modules.  The global streams are read by ``lifecycle`` itself."""
+    (or held by a namespace or a user's class named) as globals or closure cells by the
+    function's code, the user's functions it names, or a module's ``forward``; three
+    levels down from all but the modules.  The global streams are read by
+    ``lifecycle`` itself."""
     found: dict[int, Any] = {}
     budget = [_READ]  # values read in all: a huge container costs the warmup little
 
@@ -135,7 +136,10 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
         owner = getattr(fn, "__self__", None)
     inner = coderefs._unwrapped(fn)
     if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-        # what the method names of its object, and the methods of its class it calls
+        # its own attributes (``explore(self)`` reads them in a helper), and deeper what
+        # the method and the methods of its class it calls name (not a data sampler's
+        # generator another thread draws from)
+        add(vars(owner).values(), depth=1)
         names = coderefs._attribute_names(type(owner), coderefs._codes_of(inner))
         add([v for k, v in vars(owner).items() if k in names])
     add(arguments)
@@ -153,7 +157,10 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
         cells = [coderefs._cell_getter(c)() for c in getattr(f, "__closure__", None) or ()]
         add(named)
         add(cells)
-        codes += [v for v in named + cells if _helper(v)]
+        for value in named:  # a class of the user's named: its class attributes
+            if isinstance(value, type) and coderefs._user_class(value):
+                add(vars(value).values(), depth=1)
+        codes += [v for v in named + cells if user_function(v)]
     return tuple(found.values())
 
 
@@ -181,7 +188,7 @@ _SCANNED = 64  # the items read of one container, and the functions read, by hos
 _READ = 4096  # the values host_generators reads in all
 
 
-def _helper(value: Any) -> bool:
+def user_function(value: Any) -> bool:
     """A function of the user's (not the standard library's, torch's or numpy's), whose
     globals and cells a call naming it reaches too."""
     top = str(getattr(value, "__module__", "")).partition(".")[0]

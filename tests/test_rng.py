@@ -317,6 +317,13 @@ class Sampler:
     def pick_through_a_method(self, x):  # the generator named by another method
         return x * 2 if self.explores() else x - 1
 
+    def pick_through_a_helper(self, x):  # a function given the object reads it
+        return _explore_for(self, x)
+
+
+def _explore_for(sampler, x):
+    return _explore(x, sampler.rng)
+
 
 def _routes(rng):
     """The same exploring call reaching ``rng`` by each route users write."""
@@ -354,6 +361,7 @@ def _routes(rng):
             "default": defaulted, "list in a dict held by an object": nested,
             "helper's closure": through_helper, "method of a plain object": Sampler(rng).pick,
             "method calling a method": Sampler(rng).pick_through_a_method,
+            "helper given the object": Sampler(rng).pick_through_a_helper,
             "object held by an object of a module": module, "slots": in_slots,
             "deque": in_a_deque}
 
@@ -394,7 +402,8 @@ class _Trainer:
     def __init__(self):
         self.model = _Prefetching(4, 4)
         self.data = _Holder()
-        self.data.rng = random.Random(0)
+        self.data.sampler = _Holder()
+        self.data.sampler.rng = random.Random(0)
 
     def step(self, x):
         return self.model(x)
@@ -405,7 +414,7 @@ def test_a_generator_the_method_never_names_is_not_watched(standin):
     data's sampler, advanced by a prefetching thread while the call runs) leaves the
     call graphed."""
     trainer = _Trainer()
-    _ELSEWHERE[:] = [trainer.data.rng.random]
+    _ELSEWHERE[:] = [trainer.data.sampler.rng.random]
     g = autograph.graphed(trainer.step)
     with torch.no_grad():
         for _ in range(6):
@@ -413,3 +422,21 @@ def test_a_generator_the_method_never_names_is_not_watched(standin):
             torch.testing.assert_close(g(x), nn.functional.linear(
                 x, trainer.model.weight, trainer.model.bias))
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+class _Policy:
+    rng = random.Random(5)
+
+
+def _explores_by_class(x):
+    return _explore(x, _Policy.rng)
+
+
+def test_a_generator_held_by_a_class_the_code_names_decides_eagerly(standin):
+    _Policy.rng.seed(5)
+    twin = random.Random(5)
+    g = autograph.graphed(_explores_by_class)
+    for _ in range(10):
+        x = torch.randn(4)
+        assert torch.equal(g(x), _explore(x, twin))
+    assert autograph.stats(g)["replays"] == 0, autograph.stats(g)

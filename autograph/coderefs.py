@@ -261,8 +261,8 @@ def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset
     under ``names`` (read from its ``__dict__``: no property runs), and, ``depth``
     levels down, those of the namespaces it holds that the code reads further
     (``mypkg.consts.SCALE``, ``cfg.sub.k``; ``loads`` by dotted ``path``)."""
-    if isinstance(obj, threading.local):  # each thread's own values: read by getattr
-        return [(_local_getter(obj, n), getattr(obj, n, MISSING))
+    if isinstance(obj, threading.local):  # each thread's own values (its own __dict__)
+        return [(_local_getter(obj, n), obj.__dict__.get(n, MISSING))
                 for n in sorted(names) if not n.startswith("__")]
     d = vars(obj)
     out: list[tuple[Callable[[], Any], Any]] = []
@@ -478,9 +478,11 @@ def _trackable(value: Any) -> bool:
 
 
 def _local_getter(obj: threading.local, name: str) -> Callable[[], Any]:
-    """A getter of ``obj.name`` as the calling thread sees it (``threading.local``)."""
+    """A getter of ``obj.name`` as the calling thread set it (a ``threading.local``'s
+    ``__dict__`` is the calling thread's; its class's methods and defaults are not
+    read: a bound method is another object at every read)."""
     def get() -> Any:
-        return getattr(obj, name, MISSING)
+        return obj.__dict__.get(name, MISSING)
 
     return get
 

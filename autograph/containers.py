@@ -28,8 +28,17 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .coderefs import _cell_getter, _global_names, same
+from .coderefs import (
+    _attribute_loads,
+    _cell_getter,
+    _global_names,
+    _namespace,
+    _plain,
+    _user_class,
+    same,
+)
 from .flat import Flat, size_leaf, unopened
+from .rng import user_function
 from .vocab import EagerReason, Uncapturable
 
 Where = int | str  # a positional argument's index, or a keyword argument's name
@@ -186,6 +195,7 @@ def _put(result: Any, slots: tuple[int, ...] | None, mine: Any) -> Any:
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _HELD_TYPES = (list, dict, set, collections.deque)  # and their subclasses
 MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchecked)
+MAX_CODES = 64  # the functions named_by reads (the code and the helpers it names)
 
 # ("Module.name" or a global's name, a container it holds (or one inside it), the ids
 # of what that holds, a shallow copy)
@@ -205,7 +215,8 @@ def held(modules: Iterable[nn.Module], named: Iterable[tuple[str, Any]] = ()) ->
             if name not in MODULE_INTERNALS and isinstance(value, _HELD_TYPES):
                 _hold(f"{type(m).__name__}.{name}", value, out, budget)
     for label, value in named:
-        _hold(label, value, out, budget)
+        if isinstance(value, _HELD_TYPES):
+            _hold(label, value, out, budget)
     return out
 
 
@@ -227,18 +238,28 @@ def _hold(label: str, value: Any, out: Held, budget: list[int]) -> None:
 
 
 def named_by(codes: Iterable[Any]) -> list[tuple[str, Any]]:
-    """The lists, dicts, sets and deques the functions ``codes`` name as globals or
-    closure cells (``SEEN.append(y)`` with ``SEEN = []`` global): a change the call
+    """The lists, dicts, sets and deques the functions ``codes`` (and the user's
+    functions they name, once each) name as globals or closure cells (``SEEN.append(y)``
+    with ``SEEN = []`` global, a ``log(y)`` helper appending to it): a change the call
     makes to one is Python a replay would not repeat."""
     out: list[tuple[str, Any]] = []
-    for f in codes:
+    todo, seen = list(codes), set[int]()
+    for f in todo:  # grows by the helpers named
         code = getattr(f, "__code__", None)
-        if code is None:
+        if code is None or id(f) in seen or len(seen) >= MAX_CODES:
             continue
+        seen.add(id(f))
         glb = getattr(f, "__globals__", {})
-        loads, _ = _global_names(code)
-        out += [(name, v) for name in sorted(loads)
-                if isinstance(v := glb.get(name), _HELD_TYPES)]
+        loads = sorted(_global_names(code)[0])
+        todo += [v for name in loads if user_function(v := glb.get(name))]
+        out += [(name, v) for name in loads if isinstance(v := glb.get(name), _HELD_TYPES)]
+        reads = _attribute_loads(code)  # ``cfg.items.append(y)``, ``Log.items``
+        for name in loads:
+            holder = glb.get(name)
+            if _namespace(holder) or (isinstance(holder, type) and _user_class(holder)):
+                attributes = vars(holder)
+                out += [(f"{name}.{a}", attributes[a]) for a in sorted(reads.get(name, ()))
+                        if isinstance(attributes.get(a), _HELD_TYPES)]
         for name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
             v = _cell_getter(cell)()
             if isinstance(v, _HELD_TYPES):
@@ -251,10 +272,29 @@ def held_change(before: Held) -> str | None:
     ``self.feats["a"]["last"] = y``), or None: a replay runs no Python, so it would not
     repeat the change, and a tensor the capture stored there would be the graph's,
     overwritten by every replay."""
-    for label, value, contents, _ in before:
-        if _contents(value) != contents:
+    for label, value, contents, saved in before:
+        if _contents(value) != contents and not _equal_contents(value, saved):
             return f"{MODULE_CONTAINER} ({label})"
     return None
+
+
+def _equal_contents(value: Any, saved: Any) -> bool:
+    """Whether ``value`` holds what its shallow copy ``saved`` held, plain values set
+    again to equal ones (``STATE["scale"] = 1 / math.sqrt(d)`` on every call: a new
+    float) counted as held; tensors and other objects by identity."""
+    try:
+        if isinstance(value, dict):
+            return value.keys() == saved.keys() and all(
+                _same_item(value[k], saved[k]) for k in value)
+        if isinstance(value, (list, collections.deque)):
+            return len(value) == len(saved) and all(map(_same_item, value, saved))
+        return bool(value == saved)  # a set: of hashable values, by equality
+    except Exception:  # noqa: BLE001 - a comparison that raises: changed
+        return False
+
+
+def _same_item(a: Any, b: Any) -> bool:
+    return a is b or (_plain(a) and _plain(b) and same(a, b))
 
 
 def restore(before: Held) -> None:

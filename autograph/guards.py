@@ -50,6 +50,8 @@ from torch import nn
 
 from . import containers, notify
 from .coderefs import (
+    _attribute_names,
+    _codes_of,
     _unwrapped,
     _user_class,
     changed_attribute,
@@ -409,13 +411,23 @@ class Watch:
         the watched modules hold, and those the user's code and the modules' forwards
         name as globals or closure cells."""
         code = self._code if self._code is not None else fn
-        while isinstance(code, functools.partial):
+        named: list[tuple[str, Any]] = []
+        while isinstance(code, functools.partial):  # the containers it binds
+            named += [("partial", v) for v in (*code.args, *code.keywords.values())]
             code = code.func
+        inner = _unwrapped(code)
+        defaults = (*(getattr(inner, "__defaults__", None) or ()),
+                    *(getattr(inner, "__kwdefaults__", None) or {}).values())
+        named += [("default", v) for v in defaults]
+        owner = self._owner() if self._owner is not None else getattr(code, "__self__", None)
+        if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+            names = _attribute_names(type(owner), _codes_of(inner))  # ``self.history``
+            named += [(f"{type(owner).__name__}.{k}", v) for k, v in vars(owner).items()
+                      if k in names]
         modules = self.every_module()
-        codes = {id(f): f for f in [_unwrapped(code)] + [
-            _unwrapped(type(m).forward) for m in modules
-            if _user_class(type(m)) and getattr(type(m), "forward", None) is not None]}
-        return containers.held(modules, containers.named_by(codes.values()))
+        codes = [inner] + [_unwrapped(type(m).forward) for m in modules
+                           if _user_class(type(m)) and getattr(type(m), "forward", None)]
+        return containers.held(modules, named + containers.named_by(codes))
 
     def attribute_tensors(self) -> list[torch.Tensor]:
         """Tensors held as plain attributes of the watched modules (``self.table =

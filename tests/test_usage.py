@@ -17,6 +17,7 @@ import enum
 import functools
 import inspect
 import logging
+import math
 import random
 import threading
 import types
@@ -646,6 +647,76 @@ def check_lists_and_dicts_named_as_globals_or_cells(device="cpu"):
 
 def test_lists_and_dicts_named_as_globals_or_cells(standin):
     check_lists_and_dicts_named_as_globals_or_cells()
+
+
+LOG_CFG = types.SimpleNamespace(items=[])
+STATE: dict = {}
+
+
+class _EventLog:
+    items: list = []
+
+
+def _note(y):
+    SEEN_NORMS.append(y.sum())
+
+
+class _Recorder:
+    def __init__(self):
+        self.history = []
+
+    def step(self, x):
+        self.history.append(x.sum())
+        return x * 2
+
+
+def check_containers_changed_by_every_route_run_eagerly(device="cpu"):
+    """A list appended to through a helper function, a namespace, a class the code
+    names, a default argument, or the graphed method's object (``self.history``) gets
+    every call's item (replays dropped them, and the capture's item was the graph's);
+    a global dict set to equal plain values on every call keeps its graphs."""
+    def by_helper(x):
+        _note(x)
+        return x * 2
+
+    def by_namespace(x):
+        LOG_CFG.items.append(x.sum())
+        return x * 2
+
+    def by_class(x):
+        _EventLog.items.append(x.sum())
+        return x * 2
+
+    def by_default(x, acc=[]):  # noqa: B006 - the pattern under test
+        acc.append(x.sum())
+        return x * 2
+
+    recorder = _Recorder()
+    logs = {by_helper: SEEN_NORMS, by_namespace: LOG_CFG.items, by_class: _EventLog.items,
+            by_default: by_default.__defaults__[0], recorder.step: recorder.history}
+    for fn, log in logs.items():
+        log.clear()
+        g = autograph.graphed(fn)
+        xs = [torch.randn(3, device=device) for _ in range(6)]
+        for x in xs:
+            torch.testing.assert_close(g(x), x * 2)
+        torch.testing.assert_close(torch.stack(log), torch.stack([x.sum() for x in xs]))
+        assert autograph.stats(g)["replays"] == 0, (fn, autograph.stats(g))
+
+    def sets_equal_values(x):
+        STATE["scale"] = 1 / math.sqrt(x.shape[-1])
+        STATE["shape"] = tuple(x.shape)
+        return x * STATE["scale"]
+
+    g = autograph.graphed(sets_equal_values)
+    for _ in range(6):
+        x = torch.randn(2, 4, device=device)
+        torch.testing.assert_close(g(x), x * 0.5)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_containers_changed_by_every_route_run_eagerly(standin):
+    check_containers_changed_by_every_route_run_eagerly()
 
 
 class _Layer:
@@ -2385,13 +2456,16 @@ def test_flags_read_through_namespaces_are_seen(standin):
 class _PerThread(threading.local):
     scale = 1.0
 
+    def one(self):  # a method the code calls (a bound method is new at every read)
+        return 1.0
+
 
 PER_THREAD = _PerThread()
 PLAIN_LOCAL = threading.local()
 
 
 def _scaled_per_thread(x):
-    return x * PER_THREAD.scale + PLAIN_LOCAL.shift
+    return x * PER_THREAD.scale * PER_THREAD.one() + PLAIN_LOCAL.shift
 
 
 def check_settings_held_per_thread_are_seen(device="cpu"):

@@ -97,6 +97,7 @@ from ..test_usage import (
     check_conjugate_and_negative_views,
     check_container_arguments_changed_by_the_call,
     check_container_arguments_shared_nested_and_returned_twice,
+    check_containers_changed_by_every_route_run_eagerly,
     check_containers_changed_in_place_are_seen,
     check_flags_read_through_classes_and_globals,
     check_flags_read_through_namespaces_are_seen,
@@ -525,3 +526,7 @@ def test_lists_and_dicts_named_as_globals_or_cells():
 
 def test_settings_held_per_thread_are_seen():
     check_settings_held_per_thread_are_seen("cuda")
+
+
+def test_containers_changed_by_every_route_run_eagerly():
+    check_containers_changed_by_every_route_run_eagerly("cuda")

@@ -46,6 +46,7 @@ _open = 0  # regions open anywhere: the patch is installed while > 0
 _original_call: Callable[..., Any] | None = None
 # id(module) -> (weak reference, the module's region handle)
 _handles: dict[int, tuple[weakref.ref[nn.Module], Handle]] = {}
+_handles_lock = threading.Lock()  # held while a module's handle is made
 _own_options: dict[type, bool] = {}
 # The module instances whose top-level calls (and their submodules') go through a given
 # handle while one of their own methods runs (``graphed(model).generate(...)``)
@@ -277,6 +278,14 @@ def _handle_for(module: nn.Module) -> Handle:
     item = _handles.get(id(module))
     if item is not None and item[0]() is module:
         return item[1]
+    with _handles_lock:  # one engine per module, however many threads call it first
+        item = _handles.get(id(module))
+        if item is not None and item[0]() is module:
+            return item[1]
+        return _new_handle(module)
+
+
+def _new_handle(module: nn.Module) -> Handle:
     key = id(module)
 
     def forget(ref: weakref.ref[nn.Module], handles: dict[int, Any] = _handles) -> None:

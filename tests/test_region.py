@@ -2,6 +2,7 @@
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -400,3 +401,32 @@ def check_interleaved_regions_leave_only_their_own_entry(device="cpu"):
 
 def test_interleaved_regions_leave_only_their_own_entry(standin):
     check_interleaved_regions_leave_only_their_own_entry()
+
+
+def test_threads_calling_a_module_first_in_their_regions_share_one_engine(standin, monkeypatch):
+    """Threads that call a module for the first time at once, each in its region, get
+    one engine (each made its own, and the first calls were counted under another name
+    in the region's stats)."""
+    made = region_mod.make_module_engine
+
+    def slowly(*args, **kwargs):
+        time.sleep(0.05)  # widen the window the threads race in
+        return made(*args, **kwargs)
+
+    monkeypatch.setattr(region_mod, "make_module_engine", slowly)
+    model = nn.Linear(4, 4)
+    start, regions = threading.Barrier(4), []
+
+    def worker():
+        start.wait()
+        with torch.no_grad(), autograph.capture_region() as region:
+            regions.append(region)
+            for _ in range(3):
+                model(torch.randn(2, 4))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert [len(r.stats()) for r in regions] == [1, 1, 1, 1], [r.stats() for r in regions]

@@ -408,8 +408,9 @@ class Watch:
 
     def held(self, fn: Callable[..., Any]) -> containers.Held:
         """The containers a call of ``fn`` may change (:func:`containers.held`): those
-        the watched modules hold, and those the user's code and the modules' forwards
-        name as globals or closure cells."""
+        the watched modules hold, those a partial or a default binds, those the graphed
+        method's object holds under a name its code uses, and those the user's code,
+        its helpers and the modules' forwards name (:func:`containers.named_by`)."""
         code = self._code if self._code is not None else fn
         named: list[tuple[str, Any]] = []
         while isinstance(code, functools.partial):  # the containers it binds

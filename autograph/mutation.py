@@ -350,7 +350,10 @@ def _handle_higher_order() -> None:
             _handled.add(name)
             for cls in _MODES:
                 if cls not in op.python_key_table:
-                    op.py_impl(cls)(_run_unrecorded(name))
+                    try:
+                        op.py_impl(cls)(_run_unrecorded(name))
+                    except Exception:  # noqa: BLE001 - one refusing a rule keeps torch's way
+                        continue
 
 
 def WriteRecorder(watched: dict[int, list[int]],  # noqa: N802 - a class to callers

@@ -261,9 +261,10 @@ def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset
     under ``names`` (read from its ``__dict__``: no property runs), and, ``depth``
     levels down, those of the namespaces it holds that the code reads further
     (``mypkg.consts.SCALE``, ``cfg.sub.k``; ``loads`` by dotted ``path``)."""
-    if isinstance(obj, threading.local):  # each thread's own values (its own __dict__)
-        return [(_local_getter(obj, n), obj.__dict__.get(n, MISSING))
-                for n in sorted(names) if not n.startswith("__")]
+    if isinstance(obj, threading.local):  # each thread's own values, as it reads them
+        return [(_local_getter(obj, n), getattr(obj, n, MISSING)) for n in sorted(names)
+                if not n.startswith("__") and not callable(
+                    inspect.getattr_static(type(obj), n, None))]  # (methods: new at reads)
     d = vars(obj)
     out: list[tuple[Callable[[], Any], Any]] = []
     for n in sorted(names):
@@ -478,11 +479,10 @@ def _trackable(value: Any) -> bool:
 
 
 def _local_getter(obj: threading.local, name: str) -> Callable[[], Any]:
-    """A getter of ``obj.name`` as the calling thread set it (a ``threading.local``'s
-    ``__dict__`` is the calling thread's; its class's methods and defaults are not
-    read: a bound method is another object at every read)."""
+    """A getter of ``obj.name`` as the calling thread reads it (``threading.local``:
+    its own value, or its class's default or property)."""
     def get() -> Any:
-        return obj.__dict__.get(name, MISSING)
+        return getattr(obj, name, MISSING)
 
     return get
 

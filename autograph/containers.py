@@ -33,7 +33,6 @@ from .coderefs import (
     _cell_getter,
     _global_names,
     _namespace,
-    _plain,
     _user_class,
     same,
 )
@@ -272,29 +271,10 @@ def held_change(before: Held) -> str | None:
     ``self.feats["a"]["last"] = y``), or None: a replay runs no Python, so it would not
     repeat the change, and a tensor the capture stored there would be the graph's,
     overwritten by every replay."""
-    for label, value, contents, saved in before:
-        if _contents(value) != contents and not _equal_contents(value, saved):
+    for label, value, contents, _ in before:
+        if _contents(value) != contents:
             return f"{MODULE_CONTAINER} ({label})"
     return None
-
-
-def _equal_contents(value: Any, saved: Any) -> bool:
-    """Whether ``value`` holds what its shallow copy ``saved`` held, plain values set
-    again to equal ones (``STATE["scale"] = 1 / math.sqrt(d)`` on every call: a new
-    float) counted as held; tensors and other objects by identity."""
-    try:
-        if isinstance(value, dict):
-            return value.keys() == saved.keys() and all(
-                _same_item(value[k], saved[k]) for k in value)
-        if isinstance(value, (list, collections.deque)):
-            return len(value) == len(saved) and all(map(_same_item, value, saved))
-        return bool(value == saved)  # a set: of hashable values, by equality
-    except Exception:  # noqa: BLE001 - a comparison that raises: changed
-        return False
-
-
-def _same_item(a: Any, b: Any) -> bool:
-    return a is b or (_plain(a) and _plain(b) and same(a, b))
 
 
 def restore(before: Held) -> None:

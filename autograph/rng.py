@@ -137,9 +137,9 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
     inner = coderefs._unwrapped(fn)
     if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
         # its own attributes (``explore(self)`` reads them in a helper), and deeper what
-        # the method and the methods of its class it calls name (not a data sampler's
-        # generator another thread draws from)
-        add(vars(owner).values(), depth=1)
+        # the method and the methods of its class it calls name (not a data loader's
+        # generator a prefetching thread draws from)
+        add(vars(owner).values(), depth=0)
         names = coderefs._attribute_names(type(owner), coderefs._codes_of(inner))
         add([v for k, v in vars(owner).items() if k in names])
     add(arguments)

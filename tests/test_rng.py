@@ -401,9 +401,8 @@ class _Trainer:
 
     def __init__(self):
         self.model = _Prefetching(4, 4)
-        self.data = _Holder()
-        self.data.sampler = _Holder()
-        self.data.sampler.rng = random.Random(0)
+        self.loader = _Holder()
+        self.loader.rng = random.Random(0)
 
     def step(self, x):
         return self.model(x)
@@ -411,10 +410,10 @@ class _Trainer:
 
 def test_a_generator_the_method_never_names_is_not_watched(standin):
     """A generator held under an attribute the graphed method's code never names (the
-    data's sampler, advanced by a prefetching thread while the call runs) leaves the
+    data loader's, advanced by a prefetching thread while the call runs) leaves the
     call graphed."""
     trainer = _Trainer()
-    _ELSEWHERE[:] = [trainer.data.sampler.rng.random]
+    _ELSEWHERE[:] = [trainer.loader.rng.random]
     g = autograph.graphed(trainer.step)
     with torch.no_grad():
         for _ in range(6):

@@ -223,7 +223,7 @@ def output_builder(
     if spliced is not None:
         return _with_objects(spec, makers, shared, spliced, pool_outputs)
     if spec.is_leaf() and isinstance(flat[0], torch.Tensor) and is_clone(makers[0]) \
-            and not clone_differs(flat[0]) and _plain_output(flat[0]):
+            and not _faithful(flat[0]) and _plain_output(flat[0]):
         out0 = flat[0]
         hand_out = out0.detach if reuse else out0.clone
 
@@ -411,7 +411,7 @@ def _leaf_maker(
     elif reuse:
         def clone(_leaves: list[Any]) -> torch.Tensor:  # an alias: no copy
             return value.detach()
-    elif clone_differs(value):
+    elif _faithful(value):
         clone = _faithful_clone(value)
     else:
         def clone(_leaves: list[Any]) -> torch.Tensor:
@@ -471,7 +471,7 @@ def _persistent_maker(value: torch.Tensor, themselves: set[int] | frozenset[int]
     return view
 
 
-def clone_differs(value: torch.Tensor) -> bool:
+def _faithful(value: torch.Tensor) -> bool:
     """Whether ``value.clone()`` would not give eager's tensor: another layout (overlapping
     or gapped elements: ``expand``, ``unfold``, ``.imag``) or the conjugate and negative
     bits resolved (``(x * 2).conj()``)."""
@@ -479,7 +479,7 @@ def clone_differs(value: torch.Tensor) -> bool:
 
 
 def _faithful_clone(value: torch.Tensor) -> Callable[[list[Any]], torch.Tensor]:
-    """The clone of an output that ``clone`` would change (:func:`clone_differs`): a copy of
+    """The clone of an output that ``clone`` would change (:func:`_faithful`): a copy of
     the memory under it (the storage span it covers, where its layout is not dense),
     viewed with its sizes, strides and bits, as eager returns it (a dense, resolved
     copy would be another layout, writable where eager's raises)."""

@@ -223,6 +223,14 @@ def _namespace(value: Any) -> bool:
 _LIBRARIES = frozenset({"torch", "numpy", "builtins", "autograph", "typing_extensions", "wrapt"})
 
 
+def user_function(value: Any) -> bool:
+    """A function of the user's (not the standard library's, torch's or numpy's), whose
+    globals and cells a call naming it reaches too."""
+    top = str(getattr(value, "__module__", "")).partition(".")[0]
+    return (isinstance(value, types.FunctionType) and top not in sys.stdlib_module_names
+            and top not in _LIBRARIES)
+
+
 @functools.lru_cache(maxsize=1024)
 def _attribute_loads(code: types.CodeType) -> dict[str, frozenset[str]]:
     """For each global or closure name that ``code`` (and the code nested in it) reads

@@ -35,9 +35,9 @@ from .coderefs import (
     _namespace,
     _user_class,
     same,
+    user_function,
 )
 from .flat import Flat, size_leaf, unopened
-from .rng import user_function
 from .vocab import EagerReason, Uncapturable
 
 Where = int | str  # a positional argument's index, or a keyword argument's name

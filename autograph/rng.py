@@ -21,7 +21,6 @@ import functools
 import itertools
 import random
 import sys
-import types
 from typing import Any, NamedTuple
 
 import torch
@@ -160,7 +159,7 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
         for value in named:  # a class of the user's named: its class attributes
             if isinstance(value, type) and coderefs._user_class(value):
                 add(vars(value).values(), depth=1)
-        codes += [v for v in named + cells if user_function(v)]
+        codes += [v for v in named + cells if coderefs.user_function(v)]
     return tuple(found.values())
 
 
@@ -186,14 +185,6 @@ def _attribute_values(value: Any) -> list[Any]:
 _MISSING = object()
 _SCANNED = 64  # the items read of one container, and the functions read, by host_generators
 _READ = 4096  # the values host_generators reads in all
-
-
-def user_function(value: Any) -> bool:
-    """A function of the user's (not the standard library's, torch's or numpy's), whose
-    globals and cells a call naming it reaches too."""
-    top = str(getattr(value, "__module__", "")).partition(".")[0]
-    return (isinstance(value, types.FunctionType) and top not in sys.stdlib_module_names
-            and top not in coderefs._LIBRARIES)
 
 
 def host_state(gens: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -28,16 +28,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .coderefs import (
-    _attribute_loads,
-    _cell_getter,
-    _global_names,
-    _namespace,
-    _user_class,
-    same,
-    user_function,
-)
+from .coderefs import _namespace, _user_class, same
 from .flat import Flat, size_leaf, unopened
+from .reach import Named
 from .vocab import EagerReason, Uncapturable
 
 Where = int | str  # a positional argument's index, or a keyword argument's name
@@ -194,7 +187,6 @@ def _put(result: Any, slots: tuple[int, ...] | None, mine: Any) -> Any:
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _HELD_TYPES = (list, dict, set, collections.deque)  # and their subclasses
 MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchecked)
-MAX_CODES = 64  # the functions named_by reads (the code and the helpers it names)
 
 # ("Module.name" or a global's name, a container it holds (or one inside it), the ids
 # of what that holds, a shallow copy)
@@ -236,33 +228,20 @@ def _hold(label: str, value: Any, out: Held, budget: list[int]) -> None:
         stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
 
 
-def named_by(codes: Iterable[Any]) -> list[tuple[str, Any]]:
-    """The lists, dicts, sets and deques the functions ``codes`` (and the user's
-    functions they name, once each) name as globals or closure cells (``SEEN.append(y)``
-    with ``SEEN = []`` global, a ``log(y)`` helper appending to it): a change the call
-    makes to one is Python a replay would not repeat."""
+def named_by(named: Iterable[Named]) -> list[tuple[str, Any]]:
+    """The lists, dicts, sets and deques among the values the code names as globals or
+    closure cells (``reach.named_values``: ``SEEN.append(y)`` with ``SEEN = []`` global,
+    a ``log(y)`` helper appending to it), and those that the namespaces and user classes
+    it names hold under the attributes it reads (``cfg.items.append(y)``): a change the
+    call makes to one is Python a replay would not repeat."""
     out: list[tuple[str, Any]] = []
-    todo, seen = list(codes), set[int]()
-    for f in todo:  # grows by the helpers named
-        code = getattr(f, "__code__", None)
-        if code is None or id(f) in seen or len(seen) >= MAX_CODES:
-            continue
-        seen.add(id(f))
-        glb = getattr(f, "__globals__", {})
-        loads = sorted(_global_names(code)[0])
-        todo += [v for name in loads if user_function(v := glb.get(name))]
-        out += [(name, v) for name in loads if isinstance(v := glb.get(name), _HELD_TYPES)]
-        reads = _attribute_loads(code)  # ``cfg.items.append(y)``, ``Log.items``
-        for name in loads:
-            holder = glb.get(name)
-            if _namespace(holder) or (isinstance(holder, type) and _user_class(holder)):
-                attributes = vars(holder)
-                out += [(f"{name}.{a}", attributes[a]) for a in sorted(reads.get(name, ()))
-                        if isinstance(attributes.get(a), _HELD_TYPES)]
-        for name, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
-            v = _cell_getter(cell)()
-            if isinstance(v, _HELD_TYPES):
-                out.append((name, v))
+    for n in named:
+        if isinstance(n.value, _HELD_TYPES):
+            out.append((n.label, n.value))
+        elif _namespace(n.value) or (isinstance(n.value, type) and _user_class(n.value)):
+            attributes = vars(n.value)
+            out += [(f"{n.label}.{a}", attributes[a]) for a in sorted(n.reads)
+                    if isinstance(attributes.get(a), _HELD_TYPES)]
     return out
 
 

@@ -38,7 +38,6 @@ callable's graphs by hand.
 
 from __future__ import annotations
 
-import functools
 import operator
 import threading
 import weakref
@@ -50,10 +49,6 @@ from torch import nn
 
 from . import containers, notify
 from .coderefs import (
-    _attribute_names,
-    _codes_of,
-    _unwrapped,
-    _user_class,
     changed_attribute,
     class_refs,
     code_refs,
@@ -64,6 +59,7 @@ from .coderefs import (
     same,
     same_items,
 )
+from .reach import Reach, reach
 from .rng import host_generators
 from .steps import StepGuard
 
@@ -398,37 +394,26 @@ class Watch:
         """Every watched module (the trees of :meth:`modules`, each module once)."""
         return [m for ref in self._modules if (m := ref()) is not None]
 
-    def host_generators(self, fn: Callable[..., Any], arguments: Any) -> tuple[Any, ...]:
-        """The host generator objects a call of ``fn`` with ``arguments`` reaches
-        (:func:`autograph.rng.host_generators`), found from the user's code (an
-        instance method's function rather than the engine's closure) and object."""
+    def reach(self, fn: Callable[..., Any]) -> Reach:
+        """What a call of ``fn`` reaches by name (:func:`autograph.reach.reach`), from
+        the user's code (an instance method's function rather than the engine's
+        closure) and object, and the watched modules' forwards."""
         owner = self._owner() if self._owner is not None else None
         code = self._code if self._code is not None else fn
-        return host_generators(code, self.every_module(), arguments, owner)
+        return reach(code, self.every_module(), owner)
 
-    def held(self, fn: Callable[..., Any]) -> containers.Held:
-        """The containers a call of ``fn`` may change (:func:`containers.held`): those
-        the watched modules hold, those a partial or a default binds, those the graphed
-        method's object holds under a name its code uses, and those the user's code,
-        its helpers and the modules' forwards name (:func:`containers.named_by`)."""
-        code = self._code if self._code is not None else fn
-        named: list[tuple[str, Any]] = []
-        while isinstance(code, functools.partial):  # the containers it binds
-            named += [("partial", v) for v in (*code.args, *code.keywords.values())]
-            code = code.func
-        inner = _unwrapped(code)
-        defaults = (*(getattr(inner, "__defaults__", None) or ()),
-                    *(getattr(inner, "__kwdefaults__", None) or {}).values())
-        named += [("default", v) for v in defaults]
-        owner = self._owner() if self._owner is not None else getattr(code, "__self__", None)
-        if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
-            names = _attribute_names(type(owner), _codes_of(inner))  # ``self.history``
-            named += [(f"{type(owner).__name__}.{k}", v) for k, v in vars(owner).items()
-                      if k in names]
-        modules = self.every_module()
-        codes = [inner] + [_unwrapped(type(m).forward) for m in modules
-                           if _user_class(type(m)) and getattr(type(m), "forward", None)]
-        return containers.held(modules, named + containers.named_by(codes))
+    def host_generators(self, reached: Reach, arguments: Any) -> tuple[Any, ...]:
+        """The host generator objects a call with ``arguments`` reaches
+        (:func:`autograph.rng.host_generators`)."""
+        return host_generators(reached, self.every_module(), arguments)
+
+    def held(self, reached: Reach) -> containers.Held:
+        """The containers a call may change (:func:`containers.held`): those the watched
+        modules hold, those a partial or a default binds, those the graphed method's
+        object holds under a name its code uses, and those the user's code, its helpers
+        and the modules' forwards name (:func:`containers.named_by`)."""
+        named = reached.bound + reached.owner_named + containers.named_by(reached.named)
+        return containers.held(self.every_module(), named)
 
     def attribute_tensors(self) -> list[torch.Tensor]:
         """Tensors held as plain attributes of the watched modules (``self.table =

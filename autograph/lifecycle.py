@@ -138,14 +138,15 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     args, kwargs = flat.call()
     shapes = _geometry(flat.leaves, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs) if learn else []
-    held = watch.held(fn) if learn else []
+    reached = watch.reach(fn) if learn else None
+    held = watch.held(reached) if reached is not None else []
     refs = watch.ref_values() if learn else None
     state = list(watch.tensors()) if learn else []
     tags = [_attributes(t) for t in state]
     recorder = WriteRecorder(watch_map(list(flat.leaves), flat.tensor_pos),
                              _known(flat, watch, device)) if learn else None
     watch.forget_assignments()
-    gens = watch.host_generators(fn, flat.leaves) if learn else ()
+    gens = watch.host_generators(reached, flat.leaves) if reached is not None else ()
     host = _host_random_state(device, gens) if learn else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
@@ -419,7 +420,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs)
-    held = watch.held(fn)
+    reached = watch.reach(fn)
+    held = watch.held(reached)
     refs = watch.ref_values()
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
     watched = watch_map(static.substitute(leaves), tuple(static.positions))
@@ -432,7 +434,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     recorder = WriteRecorder(watched, known)
     footprint = Footprint(known, device)  # what the graph needs of the pool
     watch.forget_assignments()
-    gens = watch.host_generators(fn, flat.leaves)
+    gens = watch.host_generators(reached, flat.leaves)
     host = _host_random_state(device, gens)
     stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
 

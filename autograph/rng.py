@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import functools
 import itertools
 import random
 import sys
@@ -26,6 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import coderefs
+from .reach import Reach
 
 SETS = "seen before one of its random operators"
 RESETS = "it draws the same numbers on every call"
@@ -88,19 +88,17 @@ def went_back(before: Mark, after: Mark) -> bool:
 
 
 # -- host generators --------------------------------------------------------------------
-def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = None
-                    ) -> tuple[Any, ...]:
+def host_generators(reach: Reach, modules: Any, arguments: Any = ()) -> tuple[Any, ...]:
     """The host generator objects a call reaches by name, whose draws may decide what
     it runs (``self.rng.random() < eps`` with a ``random.Random`` or a numpy
     ``Generator``; a CPU ``torch.Generator``): those held by the watched ``modules``
     (as attributes, or two containers or plain objects down, as class attributes of
-    their user classes), by the graphed method's object (``owner``, or
-    ``fn.__self__``: its attributes, and deeper under the names its code uses), among the
-    ``arguments``, bound by a ``functools.partial`` or as a default argument, and named
-    (or held by a namespace or a user's class named) as globals or closure cells by the
-    function's code, the user's functions it names, or a module's ``forward``; three
-    levels down from all but the modules.  The global streams are read by
-    ``lifecycle`` itself."""
+    their user classes), by the graphed method's object (its attributes, and deeper
+    under the names its code uses), among the ``arguments``, bound by a
+    ``functools.partial`` or as a default argument, and named (or held by a namespace or
+    a user's class named) as globals or closure cells by the function's code, the
+    user's functions it names, or a module's ``forward`` (``reach``); three levels down
+    from all but the modules.  The global streams are read by ``lifecycle`` itself."""
     found: dict[int, Any] = {}
     budget = [_READ]  # values read in all: a huge container costs the warmup little
 
@@ -118,48 +116,23 @@ def host_generators(fn: Any, modules: Any, arguments: Any = (), owner: Any = Non
             elif depth and (coderefs._namespace(v) or _slotted(v)):
                 add(_attribute_values(v), depth - 1)
 
-    codes: list[Any] = []
     for m in modules:
         add(vars(m).values(), depth=2)
         for klass in type(m).__mro__:
             if coderefs._user_class(klass):
                 add(vars(klass).values(), depth=0)
-        forward = getattr(type(m), "forward", None)
-        if forward is not None and coderefs._user_class(type(m)):
-            codes.append(coderefs._unwrapped(forward))
-    while isinstance(fn, functools.partial):  # what it binds, then its function
-        add(fn.args)
-        add(fn.keywords.values())
-        fn = fn.func
-    if owner is None:
-        owner = getattr(fn, "__self__", None)
-    inner = coderefs._unwrapped(fn)
-    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+    add(v for _, v in reach.bound)
+    if reach.owner is not None:
         # its own attributes (``explore(self)`` reads them in a helper), and deeper what
         # the method and the methods of its class it calls name (not a data loader's
         # generator a prefetching thread draws from)
-        add(vars(owner).values(), depth=0)
-        names = coderefs._attribute_names(type(owner), coderefs._codes_of(inner))
-        add([v for k, v in vars(owner).items() if k in names])
+        add(vars(reach.owner).values(), depth=0)
+        add(v for _, v in reach.owner_named)
     add(arguments)
-    add(getattr(inner, "__defaults__", None) or ())
-    add((getattr(inner, "__kwdefaults__", None) or {}).values())
-    codes.append(inner)
-    seen: set[int] = set()
-    for f in codes:  # grows by the user functions the codes name (helpers), once each
-        code, glb = getattr(f, "__code__", None), getattr(f, "__globals__", None)
-        if code is None or glb is None or id(f) in seen or len(seen) >= _SCANNED:
-            continue
-        seen.add(id(f))
-        loads, _ = coderefs._global_names(code)
-        named = [glb.get(name) for name in loads]
-        cells = [coderefs._cell_getter(c)() for c in getattr(f, "__closure__", None) or ()]
-        add(named)
-        add(cells)
-        for value in named:  # a class of the user's named: its class attributes
-            if isinstance(value, type) and coderefs._user_class(value):
-                add(vars(value).values(), depth=1)
-        codes += [v for v in named + cells if coderefs.user_function(v)]
+    for named in reach.named:
+        add((named.value,))
+        if isinstance(named.value, type) and coderefs._user_class(named.value):
+            add(vars(named.value).values(), depth=1)  # a user's class: its attributes
     return tuple(found.values())
 
 
@@ -183,7 +156,7 @@ def _attribute_values(value: Any) -> list[Any]:
 
 
 _MISSING = object()
-_SCANNED = 64  # the items read of one container, and the functions read, by host_generators
+_SCANNED = 64  # the items host_generators reads of one container
 _READ = 4096  # the values host_generators reads in all
 
 

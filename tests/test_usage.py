@@ -670,8 +670,9 @@ class _Recorder:
 
 
 def check_containers_changed_by_every_route_run_eagerly(device="cpu"):
-    """A list appended to through a helper function, a namespace, a class the code
-    names, a default argument, or the graphed method's object (``self.history``) gets
+    """A list appended to through a helper function (a global or a closure cell), a
+    namespace, a class the code names, a default argument, or the graphed method's
+    object (``self.history``) gets
     every call's item (replays dropped them, and the capture's item was the graph's)."""
     def by_helper(x):
         _note(x)
@@ -689,9 +690,19 @@ def check_containers_changed_by_every_route_run_eagerly(device="cpu"):
         acc.append(x.sum())
         return x * 2
 
+    def log_in_cell(y):
+        cell_log.append(y.sum())
+
+    cell_log = []
+
+    def by_helper_in_cell(x):  # the helper is a closure cell, as is its list
+        log_in_cell(x)
+        return x * 2
+
     recorder = _Recorder()
     logs = {by_helper: SEEN_NORMS, by_namespace: LOG_CFG.items, by_class: _EventLog.items,
-            by_default: by_default.__defaults__[0], recorder.step: recorder.history}
+            by_default: by_default.__defaults__[0], recorder.step: recorder.history,
+            by_helper_in_cell: cell_log}
     for fn, log in logs.items():
         log.clear()
         g = autograph.graphed(fn)

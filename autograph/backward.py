@@ -87,8 +87,9 @@ class OutputView(NamedTuple):
 def output_views(flat_out: list[Any], pooled: list[int]) -> tuple[list[int], list[OutputView]]:
     """Split the pooled outputs (positions in ``flat_out``) into those the Function
     returns and those that alias one of them (see :class:`OutputView`); larger outputs
-    are taken as bases first."""
-    order = sorted(pooled, key=lambda j: -flat_out[j].numel())
+    are taken as bases first, and of equal size those that require grad (``return
+    h.detach(), h``: ``h`` is the base, its detached alias the view)."""
+    order = sorted(pooled, key=lambda j: (-flat_out[j].numel(), not flat_out[j].requires_grad))
     bases: list[int] = []
     found: dict[int, tuple[int, Any]] = {}
     for j in order:
@@ -110,7 +111,7 @@ def output_views(flat_out: list[Any], pooled: list[int]) -> tuple[list[int], lis
 def _within(t: torch.Tensor, base: torch.Tensor) -> Any:
     """``t``'s geometry in a dense copy of ``base`` (None: ``t`` is ``base``), or False
     where ``t`` is no view inside ``base`` that such a copy can stand for."""
-    if t is base or (t.requires_grad != base.requires_grad and _same_geometry(t, base)):
+    if t is base or (base.requires_grad and not t.requires_grad and _same_geometry(t, base)):
         return None
     if t.numel() == 0 or t.dtype != base.dtype or (t.requires_grad and not base.requires_grad) \
             or t.layout is not torch.strided or base.layout is not torch.strided \

@@ -21,7 +21,7 @@ import math
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -81,7 +81,7 @@ def _signs(value: Any) -> Any:
     return None
 
 
-def same_items(now: dict[str, Any], then: dict[str, Any]) -> bool:
+def same_items(now: Mapping[str, Any], then: Mapping[str, Any]) -> bool:
     """Whether two attribute dictionaries hold the same values (:func:`same` for
     scalars, so a zero's sign counts; ``==`` for the rest)."""
     if now.keys() != then.keys():
@@ -213,11 +213,57 @@ def _namespace(value: Any) -> bool:
     elif isinstance(value, types.SimpleNamespace) or (
             type(value).__name__ == "Namespace" and type(value).__module__ == "argparse"):
         return True  # (``args = parser.parse_args()``)
-    elif _plain_object(value) and not isinstance(value, type):
+    elif (_plain_object(value) or slotted(value)) and not isinstance(value, type):
         top = type(value).__module__.partition(".")[0]
     else:
         return False
     return top not in sys.stdlib_module_names and top not in _LIBRARIES
+
+
+def slotted(value: Any) -> bool:
+    """An object of a user's class with ``__slots__`` and no ``__dict__`` (a
+    ``@dataclass(slots=True)``): its attributes are read through its slots."""
+    return (not hasattr(value, "__dict__") and hasattr(type(value), "__slots__")
+            and _user_class(type(value)) and not isinstance(value, type))
+
+
+def _slot_names(cls: type) -> list[str]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        names += [n for n in ((slots,) if isinstance(slots, str) else slots)
+                  if n not in ("__dict__", "__weakref__")]
+    return names
+
+
+class SlotsView(Mapping[str, Any]):
+    """A slotted object's attributes as a live mapping, as its ``__dict__`` would be
+    (an unset slot is absent)."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+        self._names = _slot_names(type(obj))
+
+    def __getitem__(self, name: str) -> Any:
+        value = getattr(self._obj, name, MISSING) if name in self._names else MISSING
+        if value is MISSING:
+            raise KeyError(name)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._names if getattr(self._obj, n, MISSING) is not MISSING)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def attributes(value: Any) -> Mapping[str, Any]:
+    """An object's attributes: its ``__dict__``, with the values of its slots."""
+    own = getattr(value, "__dict__", None)  # (a class's: a mapping proxy)
+    if not hasattr(type(value), "__slots__"):
+        return own if isinstance(own, Mapping) else {}
+    view = SlotsView(value)
+    return {**own, **view} if isinstance(own, Mapping) else view
 
 
 _LIBRARIES = frozenset({"torch", "numpy", "builtins", "autograph", "typing_extensions", "wrapt"})
@@ -273,7 +319,7 @@ def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset
         return [(_local_getter(obj, n), getattr(obj, n, MISSING)) for n in sorted(names)
                 if not n.startswith("__") and not callable(
                     inspect.getattr_static(type(obj), n, None))]  # (methods: new at reads)
-    d = vars(obj)
+    d = vars(obj) if not slotted(obj) else SlotsView(obj)
     out: list[tuple[Callable[[], Any], Any]] = []
     for n in sorted(names):
         if n.startswith("__") or n not in d:
@@ -495,7 +541,7 @@ def _local_getter(obj: threading.local, name: str) -> Callable[[], Any]:
     return get
 
 
-def _global_getter(glb: dict[str, Any], name: str) -> Callable[[], Any]:
+def _global_getter(glb: Mapping[str, Any], name: str) -> Callable[[], Any]:
     def get() -> Any:
         return glb.get(name, MISSING)
 
@@ -539,20 +585,23 @@ def changed_attribute(before: list[tuple[str, Any]], now: list[tuple[str, Any]] 
     return None
 
 
-def config_dicts(modules: Iterable[nn.Module]) -> list[dict[str, Any]]:
-    """The ``__dict__`` of each plain configuration object the modules hold: the object
-    at a module's ``config`` attribute (transformers' models and layers read their flags
-    there: ``self.config.output_hidden_states``) and dataclass instances in module
-    attributes, once each.  A graph replays the decisions taken from them at capture,
-    and changing them sets no module attribute, so ``guards.Watch`` compares each with
-    a shallow copy on every call."""
-    found: dict[int, dict[str, Any]] = {}
+def config_dicts(modules: Iterable[nn.Module]) -> list[Mapping[str, Any]]:
+    """The attributes (``__dict__``, or a :class:`SlotsView`) of each plain
+    configuration object the modules hold: the object at a module's ``config`` or
+    ``_config`` attribute (transformers' models and layers read their flags there:
+    ``self.config.output_hidden_states``) and dataclass instances in module attributes
+    (``self._cfg`` and slotted ones too), once each.  A graph replays the decisions
+    taken from them at capture, and changing them sets no module attribute, so
+    ``guards.Watch`` compares each with a shallow copy on every call."""
+    found: dict[int, Mapping[str, Any]] = {}
     for m in modules:
         for name, value in vars(m).items():
-            if name.startswith("_") or isinstance(value, (nn.Module, torch.Tensor, type)):
+            if isinstance(value, (nn.Module, torch.Tensor, type)):
                 continue
-            if name == "config" or dataclasses.is_dataclass(value):
+            if name in ("config", "_config") or dataclasses.is_dataclass(value):
                 d = getattr(value, "__dict__", None)
                 if isinstance(d, dict):
                     found.setdefault(id(value), d)
+                elif slotted(value):
+                    found.setdefault(id(value), SlotsView(value))
     return list(found.values())

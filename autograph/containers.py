@@ -21,6 +21,9 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import itertools
+import threading
+import types
 from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -29,6 +32,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .coderefs import _namespace, _user_class, same
+from .coderefs import attributes as _attributes
 from .flat import Flat, size_leaf, unopened
 from .reach import Named
 from .vocab import EagerReason, Uncapturable
@@ -188,34 +192,50 @@ MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _HELD_TYPES = (list, dict, set, collections.deque)  # and their subclasses
 MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchecked)
 
-# ("Module.name" or a global's name, a container it holds (or one inside it), the ids
-# of what that holds, a shallow copy)
-Held = list[tuple[str, Any, tuple[int, ...], Any]]
+# ("Module.name" or a global's name, a container or plain object it holds (or one
+# inside it), what that holds now (:func:`_contents`), a shallow copy (for an object:
+# its attributes))
+Held = list[tuple[str, Any, tuple[Any, ...], Any]]
 MODULE_CONTAINER = "a list, dict or set that a module holds or the code names"
+MODULE_OBJECT = "an attribute of an object that a module holds"
+_SMALL = 256  # the items of a container that an object holds, past which it is not read
 
 
 def held(modules: Iterable[nn.Module], named: Iterable[tuple[str, Any]] = ()) -> Held:
-    """The lists, dicts, sets and deques (``OrderedDict``, ``defaultdict`` too)
-    ``modules`` hold as plain attributes (``self.maps = []``), those ``named`` (globals
-    and closure cells the code names, :func:`named_by`), and those inside them, with
-    what each holds now."""
+    """The lists, dicts, sets and deques (``OrderedDict``, ``defaultdict`` too), and the
+    plain objects (a ``SimpleNamespace``, a dataclass, an object of the user's class,
+    an ``itertools.count``), that ``modules`` hold as plain attributes (``self.maps =
+    []``, ``self.state = State()``), those ``named`` (globals and closure cells the
+    code names, :func:`named_by`), and the containers inside them, with what each holds
+    now."""
     out: Held = []
     budget = [MAX_HELD]
+    seen: set[int] = set()  # each once (transformers' layers all hold one config)
     for m in modules:
         for name, value in vars(m).items():
-            if name not in MODULE_INTERNALS and isinstance(value, _HELD_TYPES):
-                _hold(f"{type(m).__name__}.{name}", value, out, budget)
+            if name not in MODULE_INTERNALS and _holds(value):
+                _hold(f"{type(m).__name__}.{name}", value, out, budget, seen)
     for label, value in named:
-        if isinstance(value, _HELD_TYPES):
-            _hold(label, value, out, budget)
+        if _holds(value):
+            _hold(label, value, out, budget, seen)
     return out
 
 
-def _hold(label: str, value: Any, out: Held, budget: list[int]) -> None:
-    """Add ``value`` and the containers inside it to ``out`` (``budget``: the items
-    left to compare)."""
+def _holds(value: Any) -> bool:
+    """A container or plain object whose contents :func:`held` compares."""
+    return isinstance(value, _HELD_TYPES) or _object(value)
+
+
+def _object(value: Any) -> bool:
+    return type(value) is itertools.count or (
+        _namespace(value) and not isinstance(value, (types.ModuleType, threading.local)))
+
+
+def _hold(label: str, value: Any, out: Held, budget: list[int], seen: set[int]) -> None:
+    """Add ``value`` and the containers inside it to ``out`` (``budget``: the items left
+    to compare; an object's containers only while small: a tokenizer's vocabulary is
+    not the call's to change; no object inside a container)."""
     stack = [value]
-    seen: set[int] = set()
     while stack and budget[0] > 0:
         c = stack.pop()
         if id(c) in seen:
@@ -223,8 +243,14 @@ def _hold(label: str, value: Any, out: Held, budget: list[int]) -> None:
         seen.add(id(c))
         contents = _contents(c)
         budget[0] -= len(contents)
-        out.append((label, c, contents, copy.copy(c)))
-        inner = c.values() if isinstance(c, dict) else c
+        if isinstance(c, _HELD_TYPES):
+            out.append((label, c, contents, copy.copy(c)))
+            inner: Iterable[Any] = c.values() if isinstance(c, dict) else c
+        else:
+            attributes = dict(_attributes(c)) if type(c) is not itertools.count else {}
+            out.append((label, c, contents, attributes))
+            inner = [v for v in attributes.values() if isinstance(v, _HELD_TYPES)
+                     and len(v) <= _SMALL]
         stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
 
 
@@ -239,7 +265,7 @@ def named_by(named: Iterable[Named]) -> list[tuple[str, Any]]:
         if isinstance(n.value, _HELD_TYPES):
             out.append((n.label, n.value))
         elif _namespace(n.value) or (isinstance(n.value, type) and _user_class(n.value)):
-            attributes = vars(n.value)
+            attributes = _attributes(n.value)
             out += [(f"{n.label}.{a}", attributes[a]) for a in sorted(n.reads)
                     if isinstance(attributes.get(a), _HELD_TYPES)]
     return out
@@ -252,7 +278,8 @@ def held_change(before: Held) -> str | None:
     overwritten by every replay."""
     for label, value, contents, _ in before:
         if _contents(value) != contents:
-            return f"{MODULE_CONTAINER} ({label})"
+            what = MODULE_CONTAINER if isinstance(value, _HELD_TYPES) else MODULE_OBJECT
+            return f"{what} ({label})"
     return None
 
 
@@ -277,9 +304,23 @@ def restore(before: Held) -> None:
                      if isinstance(v, torch.Tensor) and id(v) not in old]
             for i in reversed(fresh):  # by position: tensors do not compare as values
                 del value[i]
+        elif not isinstance(value, (set, itertools.count)):  # an object: its attributes
+            for k, v in list(_attributes(value).items()):
+                if isinstance(v, torch.Tensor) and saved.get(k) is not v:
+                    if k in saved:
+                        setattr(value, k, saved[k])
+                    else:
+                        delattr(value, k)
 
 
-def _contents(value: Any) -> tuple[int, ...]:
+def _contents(value: Any) -> tuple[Any, ...]:
+    """What ``value`` holds, by identity (its items; an object's attribute names and
+    values; where an ``itertools.count`` stands)."""
     if isinstance(value, dict):
         return tuple(map(id, (*value.keys(), *value.values())))
-    return tuple(map(id, value))
+    if isinstance(value, _HELD_TYPES):
+        return tuple(map(id, value))
+    if type(value) is itertools.count:
+        return (repr(value),)
+    attributes = _attributes(value)
+    return tuple(map(id, (*attributes.keys(), *attributes.values())))

@@ -41,7 +41,7 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -134,7 +134,7 @@ class Watch:
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._named_ptrs: list[tuple[torch.Tensor, int]] = []
-        self._configs: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (live, copy)
+        self._configs: list[tuple[Mapping[str, Any], dict[str, Any]]] = []  # (live, copy)
         self._owned = 0
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []

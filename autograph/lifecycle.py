@@ -573,7 +573,7 @@ def changed_once(problem: Uncapturable) -> bool:
     caching its normalised adjacency): the next warmup learns again."""
     detail = problem.detail or ""
     return (isinstance(problem, AttributeSet) or detail == REF_ASSIGNED
-            or detail.startswith(containers.MODULE_CONTAINER))
+            or detail.startswith((containers.MODULE_CONTAINER, containers.MODULE_OBJECT)))
 
 
 def _hidden_bumps(recorder: Any, counted: set[int]) -> tuple[Any, ...]:

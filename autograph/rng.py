@@ -113,8 +113,8 @@ def host_generators(reach: Reach, modules: Any, arguments: Any = ()) -> tuple[An
                 add(v, depth - 1)
             elif depth and isinstance(v, dict):
                 add(v.values(), depth - 1)
-            elif depth and (coderefs._namespace(v) or _slotted(v)):
-                add(_attribute_values(v), depth - 1)
+            elif depth and (coderefs._namespace(v) or coderefs.slotted(v)):
+                add(coderefs.attributes(v).values(), depth - 1)
 
     for m in modules:
         add(vars(m).values(), depth=2)
@@ -136,26 +136,6 @@ def host_generators(reach: Reach, modules: Any, arguments: Any = ()) -> tuple[An
     return tuple(found.values())
 
 
-def _slotted(value: Any) -> bool:
-    """An object of a user's class with ``__slots__`` (no ``__dict__`` to read)."""
-    return (not hasattr(value, "__dict__") and hasattr(type(value), "__slots__")
-            and coderefs._user_class(type(value)) and not isinstance(value, type))
-
-
-def _attribute_values(value: Any) -> list[Any]:
-    """The values of an object's attributes: its ``__dict__`` and its slots."""
-    out = list(vars(value).values()) if hasattr(value, "__dict__") else []
-    for klass in type(value).__mro__:
-        slots = vars(klass).get("__slots__", ())
-        for name in (slots,) if isinstance(slots, str) else slots:
-            if name not in ("__dict__", "__weakref__"):
-                got = getattr(value, name, _MISSING)
-                if got is not _MISSING:
-                    out.append(got)
-    return out
-
-
-_MISSING = object()
 _SCANNED = 64  # the items host_generators reads of one container
 _READ = 4096  # the values host_generators reads in all
 

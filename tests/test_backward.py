@@ -1954,3 +1954,39 @@ def check_a_single_training_output_can_be_written_in_place(device="cpu"):
 
 def test_a_single_training_output_can_be_written_in_place(standin):
     check_a_single_training_output_can_be_written_in_place()
+
+
+class _DetachedFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h.detach(), h, {"feat": h.detach(), "hid": h}, self.b(h)
+
+
+def check_a_detached_alias_returned_first_keeps_the_gradient(device="cpu"):
+    """``return h.detach(), h``: the live ``h`` keeps its autograd history (replays
+    handed out the detached alias as the base, and the gradient through ``h`` was
+    dropped)."""
+    torch.manual_seed(0)
+    eager = _DetachedFirst().to(device)
+    m = copy.deepcopy(eager)
+    g = autograph.graphed(m)
+    for _ in range(5):
+        x = torch.randn(3, 4, device=device)
+        grads = []
+        for model in (eager, g):
+            model.zero_grad(set_to_none=True)
+            f, h, d, out = model(x)
+            assert h.requires_grad and d["hid"].requires_grad and not f.requires_grad
+            (out.sum() + (h * h).sum() + d["hid"].sum()).backward()
+            grads.append([p.grad.clone() for p in (model.a.bias, model.a.weight)])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+    assert autograph.stats(g)["replays"] > 0
+
+
+def test_a_detached_alias_returned_first_keeps_the_gradient(standin):
+    check_a_detached_alias_returned_first_keeps_the_gradient()

@@ -2,6 +2,7 @@
 
 import copy
 import dataclasses
+import itertools
 import types
 
 import pytest
@@ -1250,3 +1251,118 @@ def check_swapped_parameters_after_training_calls(device):
 
 def test_swapped_parameters_after_training_calls(standin):
     check_swapped_parameters_after_training_calls("cpu")
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedCfg:
+    temperature: float = 1.0
+
+
+class _SlottedSetting:
+    __slots__ = ("t",)
+
+    def __init__(self):
+        self.t = 1.0
+
+
+SLOTTED_CFG = _SlottedCfg()
+SLOTTED_SETTING = _SlottedSetting()
+
+
+class _Configured(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.cfg = _SlottedCfg()  # slotted: no __dict__
+        self._cfg = dataclasses.make_dataclass("PrivateCfg", [("shift", float, 0.0)])()
+
+    def forward(self, x):
+        return self.fc(x) / self.cfg.temperature + self._cfg.shift
+
+
+def check_slotted_and_private_configs_are_seen(device="cpu"):
+    """A ``@dataclass(slots=True)`` config a module holds, one under a private name
+    (``self._cfg``), and slotted objects named as globals, changed between calls, give
+    the new value (the graphs replayed the old one)."""
+    m = _Configured().to(device)
+    g = autograph.graphed(m)
+
+    def f(x):
+        return x / SLOTTED_CFG.temperature * SLOTTED_SETTING.t
+
+    gf = autograph.graphed(f)
+    changes = {4: lambda: setattr(m.cfg, "temperature", 0.5),
+               7: lambda: setattr(m._cfg, "shift", 3.0),
+               10: lambda: setattr(SLOTTED_CFG, "temperature", 0.25),
+               13: lambda: setattr(SLOTTED_SETTING, "t", 3.0)}
+    try:
+        with torch.no_grad():
+            for i in range(16):
+                changes.get(i, lambda: None)()
+                x = torch.randn(2, 4, device=device)
+                torch.testing.assert_close(g(x), m.fc(x) / m.cfg.temperature + m._cfg.shift)
+                torch.testing.assert_close(gf(x), f(x))
+    finally:
+        SLOTTED_CFG.temperature, SLOTTED_SETTING.t = 1.0, 1.0
+    assert autograph.stats(g)["replays"] > 0 and autograph.stats(gf)["replays"] > 0
+
+
+def test_slotted_and_private_configs_are_seen():
+    check_slotted_and_private_configs_are_seen()
+
+
+class _Stepping(nn.Module):
+    """Advances a counter on an object it holds: a warmup schedule, alternating
+    branches, a tensor kept on the object."""
+
+    def __init__(self, holder):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.state = holder
+        self.counter = itertools.count()
+        self.lazy = types.SimpleNamespace(scale=None)
+
+    def forward(self, x, which):
+        if self.lazy.scale is None:  # set once: learned again, then graphed
+            self.lazy.scale = 2.0
+        y = self.fc(x) * self.lazy.scale
+        if which == "step":
+            self.state.step += 1
+            return y * min(self.state.step / 10, 1.0)
+        if which == "count":
+            return y if next(self.counter) % 2 == 0 else -y
+        if which == "keep":
+            self.state.last = y
+            return y + 1
+        return y
+
+
+def check_objects_a_module_holds_changed_by_the_call(device="cpu"):
+    """A call that changes an attribute of a plain object its module holds (a step
+    counter on a ``SimpleNamespace`` or a slotted dataclass, an ``itertools.count``
+    advanced, a tensor stored there) runs eagerly: a replay would freeze the counter
+    and leave the graph's own tensor there.  One set once (a lazy set-up) is graphed."""
+    @dataclasses.dataclass(slots=True)
+    class Slotted:
+        step: int = 0
+        last: object = None
+
+    for holder in (types.SimpleNamespace(step=0, last=None), Slotted()):
+        m = _Stepping(holder).to(device)
+        ref = copy.deepcopy(m)
+        g = autograph.graphed(m)
+        with torch.no_grad():
+            for which in ("step", "count", "keep", "plain"):
+                for _ in range(6):
+                    x = torch.randn(2, 4, device=device)
+                    torch.testing.assert_close(g(x, which), ref(x, which))
+                    assert m.state.step == ref.state.step
+                    if which == "keep":
+                        torch.testing.assert_close(m.state.last, ref.state.last)
+        s = autograph.stats(g)
+        assert s["replays"] > 0, s  # the "plain" calls
+        assert s["eager_reasons"].get("assigns_attribute", 0) > 0, s
+
+
+def test_objects_a_module_holds_changed_by_the_call():
+    check_objects_a_module_holds_changed_by_the_call()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ..test_backward import (
+    check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
     check_a_parameter_frozen_between_forward_and_backward,
@@ -55,7 +56,9 @@ from ..test_guards import (
     check_lazy_modules_initialise_then_graph,
     check_named_tensors_given_other_memory_in_place_are_seen,
     check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
+    check_objects_a_module_holds_changed_by_the_call,
     check_scripted_modules_attributes_and_modes_are_seen,
+    check_slotted_and_private_configs_are_seen,
     check_swapped_parameters_after_training_calls,
     check_written_state_passed_from_the_first_call,
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded,
@@ -530,3 +533,15 @@ def test_settings_held_per_thread_are_seen():
 
 def test_containers_changed_by_every_route_run_eagerly():
     check_containers_changed_by_every_route_run_eagerly("cuda")
+
+
+def test_slotted_and_private_configs_are_seen():
+    check_slotted_and_private_configs_are_seen("cuda")
+
+
+def test_objects_a_module_holds_changed_by_the_call():
+    check_objects_a_module_holds_changed_by_the_call("cuda")
+
+
+def test_a_detached_alias_returned_first_keeps_the_gradient():
+    check_a_detached_alias_returned_first_keeps_the_gradient("cuda")

@@ -106,6 +106,8 @@ class Bucketer:
         if _compiling():  # traced by torch.compile: the original, as Engine does
             return engine.fn(*args, **kwargs)
         self.stats.calls += 1
+        if kwargs and engine.positional is not None:  # one spelling: by position
+            args, kwargs = engine.positional(args, kwargs)
         if (_switch._active or _switch.env_set()) and _switch.is_disabled() \
                 or _functorch_active():  # (inside vmap & co: eager, keyed no further)
             return engine.dispatch(args, kwargs)
@@ -277,8 +279,10 @@ class Bucketer:
             with recorder:
                 out = self.engine.eager(args, kwargs)
         keys = self.args.keys_of(args, kwargs)
-        learned = self._learned[context] = Learned({keys[i] for i in recorder.written
-                                                    if i != state})
+        # and those ``pad_writes`` declares written (a first call that returned early,
+        # on an empty batch, wrote nothing)
+        learned = self._learned[context] = Learned(
+            {keys[i] for i in recorder.written if i != state} | (set(self.writes) & set(keys)))
         if len(self._learned) > 256:  # ever new non-tensor values: keep it bounded
             self._learned.pop(next(iter(self._learned)))
             self.routes.clear()
@@ -354,8 +358,10 @@ class Bucketer:
                          checked: tuple[int, int], learned: Learned) -> bool:
         """Run the call eagerly as it is and padded to ``checked``'s bucket, on copies;
         compare what it computes."""
+        gens = self.engine.watch.torch_generators(self.engine.fn, (*args, *kwargs.values()))
         problem = padcheck.problem(self.engine.eager, args, kwargs, batch, checked[1],
-                                   learned.written, self.args, self._fills(batch), self.writes)
+                                   learned.written, self.args, self._fills(batch), self.writes,
+                                   gens)
         if problem is None:
             learned.verified.add(checked)
             return True

@@ -47,10 +47,12 @@ class pinned:  # noqa: N801 - used like a function
         cache.pinning = True
 
     def __enter__(self) -> None:
+        # an enclosing bucketer's pins (a bucketed call inside one), put back at exit
+        _pins.__dict__.setdefault("outer", []).append(getattr(_pins, "of", None))
         _pins.of = self.of
 
     def __exit__(self, *exc: object) -> None:
-        _pins.of = None
+        _pins.of = _pins.outer.pop()
 
 
 class Entry:

@@ -131,11 +131,15 @@ def changes(snap: Snapshot, out: Any) -> tuple[Sync, ...]:
         if top.nested and not isinstance(top.value, MutableMapping):
             raise Uncapturable(EagerReason.ASSIGNS, "a list argument holding dicts or lists")
         mapping: Any = top.value
+        keep = []  # the nested containers the call left in place (a key rebound to a
+        # new list, ``d["parts"] = [...]``, takes the returned one)
         for key, (inner, spec, leaves) in top.nested.items():
-            if mapping.get(key) is not inner or not _same(inner, spec, leaves):
+            if not _same(inner, spec, leaves):
                 raise Uncapturable(EagerReason.ASSIGNS, "an item of a dict or list inside "
                                    "an argument")
-        found.append(Sync(top.where, _slots(top.value, out), tuple(top.nested)))
+            if mapping.get(key) is inner:
+                keep.append(key)
+        found.append(Sync(top.where, _slots(top.value, out), tuple(keep)))
     return tuple(found)
 
 

@@ -60,7 +60,7 @@ from .coderefs import (
     same_items,
 )
 from .reach import Reach, reach
-from .rng import host_generators
+from .rng import host_generators, torch_generators
 from .steps import StepGuard
 
 _Module = nn.Module
@@ -406,6 +406,12 @@ class Watch:
         """The host generator objects a call with ``arguments`` reaches
         (:func:`autograph.rng.host_generators`)."""
         return host_generators(reached, self.every_module(), arguments)
+
+    def torch_generators(self, fn: Callable[..., Any], arguments: Any
+                         ) -> tuple[torch.Generator, ...]:
+        """The ``torch.Generator`` objects a call of ``fn`` reaches by name
+        (:func:`autograph.rng.torch_generators`)."""
+        return torch_generators(self.reach(fn), self.every_module(), arguments)
 
     def held(self, reached: Reach) -> containers.Held:
         """The containers a call may change (:func:`containers.held`): those the watched

@@ -47,7 +47,8 @@ UNCHECKED = "the call raised as it is"
 
 def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
             size: int, written: set[Key], names: Arguments, fills: list[Any],
-            regions: dict[Key, Region]) -> str | None:
+            regions: dict[Key, Region], gens: tuple[torch.Generator, ...] = ()
+            ) -> str | None:
     """What padding this call up to ``size`` changes, None when nothing does, or
     :data:`UNCHECKED` when the call raises without padding too.
 
@@ -55,15 +56,16 @@ def problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: B
     maximum or minimum over the batch dimension (``x.amax(0)``, ``mask.all(0)``, a
     sort) ignores padded zeros on some data only, and a tensor argument that is zero
     on this call (a weight of 0) hides a mix of rows; replays would then be wrong on
-    the rest.  Sums over the batch stay exact."""
-    verdict = _problem(eager, args, kwargs, batch, size, written, names, fills, regions)
+    the rest.  Sums over the batch stay exact.  ``gens``: the generators the call
+    reaches besides the default ones, whose draws the check puts back too."""
+    verdict = _problem(eager, args, kwargs, batch, size, written, names, fills, regions, gens)
     if verdict is not None:
         return verdict
     for sign in (1, -1):
         signed = _signed(args, kwargs, batch, sign, written, names)
         if signed is None:
             break
-        verdict = _problem(eager, *signed, batch, size, written, names, fills, regions)
+        verdict = _problem(eager, *signed, batch, size, written, names, fills, regions, gens)
         if verdict is not None and verdict is not UNCHECKED:
             return f"{verdict} (on values of one sign)"
     return None
@@ -107,16 +109,16 @@ def _signed(args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch, sign: i
 
 def _problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: Batch,
              size: int, written: set[Key], names: Arguments, fills: list[Any],
-             regions: dict[Key, Region]) -> str | None:
+             regions: dict[Key, Region], gens: tuple[torch.Generator, ...]) -> str | None:
     """:func:`problem` on these values."""
     real = size_of(batch[0][1], batch[0][2])
-    start = _random_state(args, kwargs)  # before the poison: it draws too
+    start = _random_state(args, kwargs, gens)  # before the poison: it draws too
     plain_args, plain_kwargs = copies(args, kwargs)
     pad_args, pad_kwargs = copies(args, kwargs)
     _poison(written, names, plain_args, plain_kwargs, pad_args, pad_kwargs)
     pad_batch = [(k, arg_of(pad_args, pad_kwargs, k), d) for k, _, d in batch]
     padded = padded_call(pad_args, pad_kwargs, pad_batch, size, fills)
-    after_poison = _random_state(args, kwargs)
+    after_poison = _random_state(args, kwargs, gens)
     try:
         with torch.no_grad():
             try:
@@ -135,14 +137,15 @@ def _problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: 
         regions)
 
 
-RandomState = list[tuple[torch.device, torch.Tensor]]
+RandomState = list[tuple[torch.Generator, torch.Tensor]]
 
 
-def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RandomState:
-    """The host generator's state and that of each CUDA device the arguments are on;
-    nothing while other threads run (setting a state back would hand them numbers
-    drawn already: the check's runs then draw on, and a sampling step may lose its
-    buckets)."""
+def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any],
+                  gens: tuple[torch.Generator, ...]) -> RandomState:
+    """The state of the host generator, of each CUDA device's the arguments are on, and
+    of ``gens``; nothing while other threads run (setting a state back would hand them
+    numbers drawn already: the check's runs then draw on, and a sampling step may lose
+    its buckets)."""
     if threading.active_count() > 1:
         return []
     # through the generators, not ``torch.get_rng_state``: an enclosing graphed call's
@@ -150,14 +153,14 @@ def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> RandomState:
     # call's own
     devices = {torch.device("cpu"), *(t.device for t in (*args, *kwargs.values())
                                       if isinstance(t, torch.Tensor) and t.device.type == "cuda")}
-    return [(d, gen.get_state()) for d in devices if (gen := rng.generator(d)) is not None]
+    defaults = [gen for d in devices if (gen := rng.generator(d)) is not None]
+    every = {id(g): g for g in (*defaults, *gens)}.values()
+    return [(gen, gen.get_state()) for gen in every]
 
 
 def _set_random_state(state: RandomState) -> None:
-    for device, value in state:
-        gen = rng.generator(device)
-        if gen is not None:
-            gen.set_state(value)
+    for gen, value in state:
+        gen.set_state(value)
 
 
 # the check's own random values (drawn on the host: the global generators are the

@@ -20,6 +20,7 @@ import enum
 import itertools
 import random
 import sys
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -99,6 +100,24 @@ def host_generators(reach: Reach, modules: Any, arguments: Any = ()) -> tuple[An
     a user's class named) as globals or closure cells by the function's code, the
     user's functions it names, or a module's ``forward`` (``reach``); three levels down
     from all but the modules.  The global streams are read by ``lifecycle`` itself."""
+    return reached_by(reach, modules, arguments, _host_generator)
+
+
+def torch_generators(reach: Reach, modules: Any, arguments: Any = ()
+                     ) -> tuple[torch.Generator, ...]:
+    """The ``torch.Generator`` objects of any device a call reaches, where
+    :func:`host_generators` looks (the padding check puts back what its extra runs draw
+    from them)."""
+    return reached_by(reach, modules, arguments, _torch_generator)
+
+
+def _torch_generator(value: Any) -> bool:
+    return isinstance(value, torch.Generator)
+
+
+def reached_by(reach: Reach, modules: Any, arguments: Any, wanted: Callable[[Any], bool]
+               ) -> tuple[Any, ...]:
+    """The objects for which ``wanted`` holds among those :func:`host_generators` reads."""
     found: dict[int, Any] = {}
     budget = [_READ]  # values read in all: a huge container costs the warmup little
 
@@ -107,7 +126,7 @@ def host_generators(reach: Reach, modules: Any, arguments: Any = ()) -> tuple[An
             budget[0] -= 1
             if budget[0] < 0:
                 return
-            if _host_generator(v):
+            if wanted(v):
                 found.setdefault(id(v), v)
             elif depth and isinstance(v, (list, tuple, collections.deque)):
                 add(v, depth - 1)

@@ -645,3 +645,106 @@ def test_a_bucketed_module_inside_a_graphed_call_draws_as_it_does(standin):
     s = autograph.stats(outer)
     assert s["replays"] >= 2 and not {"reads_rng_state", "sets_rng_state"} & set(
         s["eager_reasons"]), s
+
+
+SAMPLER_GEN = {}  # device -> a generator the step below names (as a global would be)
+
+
+def check_the_padding_check_puts_back_a_generator_the_call_names(device="cpu"):
+    """A bucketed step drawing from a ``torch.Generator`` it names (16 numbers a call,
+    whatever the batch): the check's extra runs drew from it too, so later draws
+    differed from eager's and the check's own runs disagreed (padding turned off)."""
+    gen = SAMPLER_GEN.setdefault(device, torch.Generator(device=device))
+    weight = torch.randn(8, 16, device=device)
+
+    def sample(x):
+        noise = torch.rand(16, generator=SAMPLER_GEN[x.device.type], device=x.device)
+        return (x @ weight + noise).argmax(-1)
+
+    g = autograph.graphed(sample, buckets=[4, 8])
+
+    def run(fn):
+        gen.manual_seed(0)
+        data = torch.Generator(device=device).manual_seed(1)
+        out = []
+        with torch.inference_mode():
+            for n in [3, 3, 3, 3, 5, 5, 5]:
+                out.append(fn(torch.randn(n, 8, generator=data, device=device)))
+                out.append(gen.get_state())
+        return out
+
+    got = run(g)
+    want = run(sample)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert autograph.stats(g)["padding"] is None
+
+
+def test_the_padding_check_puts_back_a_generator_the_call_names():
+    check_the_padding_check_puts_back_a_generator_the_call_names()
+
+
+def check_bucketed_calls_in_any_spelling_and_nested(device="cpu"):
+    """A bucketed step called positionally, by keywords and mixed is one key (each
+    spelling learned, warmed up and captured its own); a bucketed step calling a
+    bucketed module captures (the inner call's exit unpinned the outer's buffers, so it
+    warmed up for ever)."""
+    lin = nn.Linear(4, 4).to(device)
+    inner = autograph.graphed(lin, buckets=[4])
+
+    @autograph.graphed(buckets=[4])
+    def outer(x, cache):
+        cache.add_(1)
+        return inner(x).relu()
+
+    @autograph.graphed(buckets=[4, 8])
+    def step(x, scale):
+        return x * scale
+
+    cache, ref = torch.zeros(3, device=device), torch.zeros(3, device=device)
+    scale = torch.full((), 2.0, device=device)
+    with torch.inference_mode():
+        for i in range(10):
+            x = torch.randn(3, 4, device=device)
+            torch.testing.assert_close(outer(x, cache), lin(x).relu())
+            ref.add_(1)
+            assert torch.equal(cache, ref)
+            spelled = [step(x, scale), step(x=x, scale=scale), step(x, scale=scale)][i % 3]
+            torch.testing.assert_close(spelled, x * 2)
+    s = autograph.stats(outer)
+    assert s["captures"] == 1 and s["replays"] >= 5, s
+    s = autograph.stats(step)
+    assert s["captures"] == 1 and s["replays"] >= 5, s
+
+
+def test_bucketed_calls_in_any_spelling_and_nested():
+    check_bucketed_calls_in_any_spelling_and_nested()
+
+
+def check_a_first_call_that_writes_nothing_keeps_the_buckets(device="cpu"):
+    """A context's first call returning early on an empty batch wrote nothing: the
+    cache ``pad_writes`` names was taken for a batch argument for good, and no call
+    was padded any more (one graph per batch size)."""
+    def step(x, slots, cache):
+        if x.shape[0] == 0:
+            return x
+        cache.index_copy_(0, slots, x)
+        return x * 2
+
+    g = autograph.graphed(step, buckets=[4, 8], pad_values={"slots": 8},
+                          pad_writes={"cache": (0, 8)})
+    cache, ref = torch.zeros(9, 5, device=device), torch.zeros(9, 5, device=device)
+    with torch.inference_mode():
+        g(torch.zeros(0, 5, device=device), torch.zeros(0, dtype=torch.long, device=device),
+          cache)
+        for n in [3, 2, 3, 2, 3, 2, 3, 2]:
+            x, slots = torch.randn(n, 5, device=device), torch.arange(n, device=device)
+            torch.testing.assert_close(g(x, slots, cache), x * 2)
+            ref.index_copy_(0, slots, x)
+            torch.testing.assert_close(cache[:8], ref[:8])
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["buckets"][4]["hits"] == 8, s
+
+
+def test_a_first_call_that_writes_nothing_keeps_the_buckets():
+    check_a_first_call_that_writes_nothing_keeps_the_buckets()

@@ -2118,8 +2118,9 @@ def test_an_inference_mode_forward_returns_inference_tensors(standin):
 def check_container_arguments_changed_by_the_call(device: str = "cpu") -> None:
     """A function that adds an item to a dict argument (and returns it, as
     sentence-transformers' modules do) or appends to a list argument: the caller's
-    container shows the change on every call, replayed or not, and is what comes back;
-    one that changes a container it does not return runs eagerly, changing it too."""
+    container shows the change on every call, replayed or not, and is what comes back
+    (a key rebound to a new list too); one that changes a container it does not return
+    runs eagerly, changing it too."""
     def pool(features):
         features["pooled"] = features["tokens"].mean(1)
         return features
@@ -2132,10 +2133,19 @@ def check_container_arguments_changed_by_the_call(device: str = "cpu") -> None:
         features["pooled"] = features["tokens"].mean(1)
         return features["pooled"] * 2
 
-    g, h, k = (autograph.graphed(f) for f in (pool, extend, hidden_update))
+    def parts(features):  # a key holding a list rebound to a new list
+        features["parts"] = [features["tokens"] * 2]
+        return features
+
+    g, h, k, p = (autograph.graphed(f) for f in (pool, extend, hidden_update, parts))
+    reused = {"tokens": torch.zeros(2, 3, 4, device=device), "parts": []}
     with torch.no_grad():
         for _ in range(6):
             tokens = torch.randn(2, 3, 4, device=device)
+            reused["tokens"].copy_(tokens)
+            old = reused["parts"]
+            assert p(reused) is reused and reused["parts"] is not old
+            torch.testing.assert_close(reused["parts"][0], tokens * 2)
             features = {"tokens": tokens}
             out = g(features)
             assert out is features and list(features) == ["tokens", "pooled"]
@@ -2150,6 +2160,7 @@ def check_container_arguments_changed_by_the_call(device: str = "cpu") -> None:
             torch.testing.assert_close(k(features), tokens.mean(1) * 2)
             torch.testing.assert_close(features["pooled"], tokens.mean(1))
     assert autograph.stats(g)["replays"] >= 3 and autograph.stats(h)["replays"] >= 3
+    assert autograph.stats(p)["replays"] >= 2, autograph.stats(p)  # (the first call: a key)
     s = autograph.stats(k)
     assert s["replays"] == 0 and s["eager_reasons"].get("assigns_attribute"), s
 

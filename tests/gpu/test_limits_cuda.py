@@ -37,14 +37,17 @@ from ..test_backward import (
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
+    check_a_first_call_that_writes_nothing_keeps_the_buckets,
     check_a_sampling_step_keeps_its_buckets,
     check_a_write_the_first_call_did_not_make_reaches_the_caller,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
+    check_bucketed_calls_in_any_spelling_and_nested,
     check_calls_autograd_records_are_not_padded,
     check_one_calls_conditions_leave_padding_on,
     check_padded_outputs_have_eager_layout,
     check_padding_ends_where_the_padded_calls_run_eagerly,
     check_the_padding_check_leaves_the_generator_as_it_found_it,
+    check_the_padding_check_puts_back_a_generator_the_call_names,
 )
 from ..test_guards import (
     check_a_scripted_submodule_trains,
@@ -545,3 +548,15 @@ def test_objects_a_module_holds_changed_by_the_call():
 
 def test_a_detached_alias_returned_first_keeps_the_gradient():
     check_a_detached_alias_returned_first_keeps_the_gradient("cuda")
+
+
+def test_the_padding_check_puts_back_a_generator_the_call_names():
+    check_the_padding_check_puts_back_a_generator_the_call_names("cuda")
+
+
+def test_bucketed_calls_in_any_spelling_and_nested():
+    check_bucketed_calls_in_any_spelling_and_nested("cuda")
+
+
+def test_a_first_call_that_writes_nothing_keeps_the_buckets():
+    check_a_first_call_that_writes_nothing_keeps_the_buckets("cuda")

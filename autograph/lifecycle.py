@@ -101,6 +101,12 @@ class AttributeSet(Uncapturable):
     method it is) and left it changed."""
 
 
+class ScriptFirstRun(Uncapturable):
+    """TorchScript code raised under the recording mode, and ran unrecorded (see
+    :func:`_scripted`): the next warmup learns again (its interpreter has run the
+    graph once by then)."""
+
+
 class RandomFound(Exception):
     """A capture without the device's generator (``rng_free``) found the call drawing
     random numbers after all: capture it again with the generator."""
@@ -159,9 +165,18 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         if timed:
             backend.synchronize(device)
         start = time.perf_counter()
+        failed: Exception | None = None
         with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK, \
                 reads if reads is not None else _NO_BLOCK, hosts.constants(recorder):
-            out = fn(*args, **kwargs)
+            try:
+                out = fn(*args, **kwargs)
+            except Exception as exc:
+                if recorder is None or recorder.written or not _scripted(watch, fn):
+                    raise
+                failed = exc.with_traceback(None)
+        if failed is not None:  # again, unrecorded: TorchScript may fail under a mode
+            with backend.warmup(device):
+                out = fn(*args, **kwargs)
         if timed:
             backend.synchronize(device)
         seconds = time.perf_counter() - start
@@ -169,6 +184,10 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     backend.after_warmup(device, out)
     hosts.rewind()  # their advance is no structural change (counters.py)
     try:
+        if failed is not None:
+            raise ScriptFirstRun(EagerReason.CAPTURE_FAILED, f"TorchScript code raised "
+                                 f"under autograph's recording mode "
+                                 f"({str(failed).splitlines()[0]})")
         if reads is not None and recorder is not None:  # first: training ignores AUTOGRAD
             _check_followed(recorder)
             reads.check(recorder.seeded)
@@ -205,6 +224,16 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         return Warmed(out, set(), [], None, seconds, problem, drew)
     return Warmed(out, recorder.written, list(recorder.hidden.values()), recorder.seeded,
                   seconds, problem, drew)
+
+
+def _scripted(watch: Watch, fn: Callable[..., Any]) -> bool:
+    """Whether the call runs TorchScript (a scripted or traced module or function),
+    whose interpreter raises on some graphs' first run under a dispatch mode, before
+    it runs an operator (``aten::equal() Expected a value of type 'Tensor'``): run
+    again unrecorded, such a call is eager."""
+    script = (torch.jit.ScriptModule, torch.jit.ScriptFunction)
+    return isinstance(getattr(fn, "__self__", fn), script) or any(
+        isinstance(m, torch.jit.ScriptModule) for m in watch.every_module())
 
 
 def _check_followed(recorder: Any) -> None:
@@ -572,7 +601,7 @@ def changed_once(problem: Uncapturable) -> bool:
     set, a module's dict filled or an attribute set at its first call, as a layer
     caching its normalised adjacency): the next warmup learns again."""
     detail = problem.detail or ""
-    return (isinstance(problem, AttributeSet) or detail == REF_ASSIGNED
+    return (isinstance(problem, (AttributeSet, ScriptFirstRun)) or detail == REF_ASSIGNED
             or detail.startswith((containers.MODULE_CONTAINER, containers.MODULE_OBJECT)))
 
 

@@ -84,6 +84,15 @@ _mem_efficient = _read("_get_mem_efficient_sdp_enabled")
 _math = _read("_get_math_sdp_enabled")
 _cudnn_sdp = _read("_get_cudnn_sdp_enabled")
 _math_reduction = _read("_get_math_sdp_allow_fp16_bf16_reduction")
+_sdp_order_list = _read("_get_sdp_priority_order")  # ``sdpa_kernel(..., set_priority=True)``
+
+
+def _sdp_order() -> Any:
+    """The order in which attention kernels are tried (a list: as a tuple, hashable)."""
+    order = _sdp_order_list()
+    return tuple(order) if order is not None else None
+
+
 _mha: Any = getattr(torch.backends, "mha", None)  # ``set_fastpath_enabled``: another path
 _stack_len: Callable[[], int] = getattr(_C, "_len_torch_function_stack", lambda: 0)
 _stack_at: Any = getattr(_C, "_get_function_stack_at", None)
@@ -133,8 +142,8 @@ def _cuda_modes() -> tuple[Any, ...]:
     return (_grad_enabled(), _inference_mode(), autocast, _matmul(), _conv(), _rnn(),
             _fp16_reduction(), _bf16_reduction(), _fp16_accumulation(),
             _cudnn_deterministic(), _deterministic(), _default_dtype(),
-            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _math_reduction(), _fastpath(),
-            function_modes())
+            _flash(), _mem_efficient(), _math(), _cudnn_sdp(), _math_reduction(), _sdp_order(),
+            _fastpath(), function_modes())
 
 
 def _reader(kind: str) -> Callable[[], tuple[Any, ...]]:
@@ -158,8 +167,8 @@ _SDPA_FLAGS = ("flash attention", "memory-efficient attention", "math attention"
 _CUDA_FLAGS = ("TF32 matmul", "TF32 conv", "TF32 rnn", "fp16 reduced-precision reduction",
                "bf16 reduced-precision reduction", "fp16 accumulation",
                "cuDNN deterministic", "deterministic algorithms", "default dtype",
-               *_SDPA_FLAGS, "math attention reduced-precision reduction", "MHA fast path",
-               "torch function modes")
+               *_SDPA_FLAGS, "math attention reduced-precision reduction",
+               "attention kernel priority", "MHA fast path", "torch function modes")
 _OTHER_FLAGS = ("CPU matmul precision", "deterministic algorithms", "default dtype",
                 "flash attention", "math attention",
                 "math attention reduced-precision reduction", "MHA fast path",

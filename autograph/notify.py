@@ -239,9 +239,22 @@ def hooks_reason(modules: list[nn.Module], skip: set[int]) -> tuple[str | None, 
     for m in modules:
         if id(m) in skip:
             continue
-        if m._forward_hooks or m._forward_pre_hooks:
+        if _hooked(m):
             return f"{type(m).__name__} has forward hooks", weakref.ref(m)
     return None, None
+
+
+# torch's own hooks that a replay may skip: ``torch.export``'s unlifted module checks
+# its inputs against the exported shapes (a key a graph serves passed them) and
+# enables module-typed inputs around the call (an enter and its exit)
+_CHECKS_ONLY = frozenset({"torch.export._unlift"})
+
+
+def _hooked(m: nn.Module) -> bool:
+    """Whether ``m`` has forward hooks whose side effects a replay would skip."""
+    return any(getattr(hook, "__module__", None) not in _CHECKS_ONLY
+               for hooks in (m._forward_hooks, m._forward_pre_hooks)
+               for hook in hooks.values())
 
 
 def _global_dicts() -> tuple[dict[Any, Any], dict[Any, Any]]:
@@ -267,4 +280,4 @@ def still_hooked(hooked: Any) -> bool:
     if hooked is GLOBAL:
         return global_hooks()
     m = hooked() if hooked is not None else None
-    return m is not None and bool(m._forward_hooks or m._forward_pre_hooks)
+    return m is not None and _hooked(m)

@@ -11,6 +11,8 @@ from torch import nn
 
 import autograph
 
+from .standin import Tally
+
 pytestmark = pytest.mark.usefixtures("standin")
 
 
@@ -1366,3 +1368,65 @@ def check_objects_a_module_holds_changed_by_the_call(device="cpu"):
 
 def test_objects_a_module_holds_changed_by_the_call():
     check_objects_a_module_holds_changed_by_the_call()
+
+
+class _Counted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(6, 6), nn.BatchNorm1d(6)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.bn(self.lin(x)) + self.count
+
+
+def check_a_traced_module_that_fails_under_a_mode_runs(device="cpu"):
+    """A ``torch.jit.trace``d module (batch norm in training mode, a buffer counted up)
+    whose TorchScript interpreter raises on its first run under a dispatch mode, as
+    autograph's warmup records: it raised on every call; now the warmup runs it again
+    unrecorded and learns at the next one (results and buffers as eager's)."""
+    traced = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        traced.append(torch.jit.trace(_Counted().to(device), torch.randn(4, 6, device=device),
+                                      check_trace=False))
+    model, twin = traced
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 6, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+            torch.testing.assert_close(model.bn.running_mean, twin.bn.running_mean)
+            torch.testing.assert_close(model.count, twin.count)
+    assert autograph.stats(g)["replays"] > 0, autograph.stats(g)
+
+
+def test_a_traced_module_that_fails_under_a_mode_runs(standin):
+    check_a_traced_module_that_fails_under_a_mode_runs()
+
+
+def check_an_exported_program_module_replays(device="cpu"):
+    """``torch.export.export(m, ...).module()`` carries torch's own forward hooks (an
+    input check, an enter and exit pair): it ran eagerly for them; a replay may skip
+    them (the key it serves passed the check).  A user's hook added later still makes
+    the calls eager."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2)).to(device)
+    exported = torch.export.export(m, (torch.randn(3, 4, device=device),)).module()
+    g = autograph.graphed(exported)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(3, 4, device=device)
+            torch.testing.assert_close(g(x), m(x))
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+    seen = Tally()
+    exported.register_forward_hook(lambda *a: seen.tick())
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.randn(3, 4, device=device))
+    assert seen.n == 3
+
+
+def test_an_exported_program_module_replays():
+    check_an_exported_program_module_replays()

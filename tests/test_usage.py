@@ -2657,6 +2657,17 @@ def check_attention_kernel_choices_are_keyed(device: str = "cpu") -> None:
                 with sdpa_kernel(backends):
                     torch.testing.assert_close(g(q, k, v), attend(q, k, v), rtol=0, atol=0)
     assert autograph.stats(g)["replays"] >= 4 and autograph.stats(g)["captures"] >= 2
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:  # the order tried
+        dtype = torch.float16 if device == "cuda" else torch.float32
+        q, k, v = (torch.randn(1, 2, 8, 64, device=device, dtype=dtype) for _ in range(3))
+        orders = ([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+                  [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION])
+        with torch.no_grad():
+            for order in (*orders, *orders):
+                with sdpa_kernel(order, set_priority=True):
+                    for _ in range(4):
+                        torch.testing.assert_close(g(q, k, v), attend(q, k, v), rtol=0,
+                                                   atol=0)
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).to(device).eval()
     h = autograph.graphed(layer)
     x = torch.randn(2, 5, 16, device=device)

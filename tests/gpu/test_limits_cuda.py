@@ -51,6 +51,8 @@ from ..test_buckets import (
 )
 from ..test_guards import (
     check_a_scripted_submodule_trains,
+    check_a_traced_module_that_fails_under_a_mode_runs,
+    check_an_exported_program_module_replays,
     check_an_optimizer_step_reads_the_gradients_it_is_given,
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
@@ -560,3 +562,11 @@ def test_bucketed_calls_in_any_spelling_and_nested():
 
 def test_a_first_call_that_writes_nothing_keeps_the_buckets():
     check_a_first_call_that_writes_nothing_keeps_the_buckets("cuda")
+
+
+def test_a_traced_module_that_fails_under_a_mode_runs():
+    check_a_traced_module_that_fails_under_a_mode_runs("cuda")
+
+
+def test_an_exported_program_module_replays():
+    check_an_exported_program_module_replays("cuda")

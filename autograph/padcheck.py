@@ -143,11 +143,11 @@ RandomState = list[tuple[torch.Generator, torch.Tensor]]
 def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any],
                   gens: tuple[torch.Generator, ...]) -> RandomState:
     """The state of the host generator, of each CUDA device's the arguments are on, and
-    of ``gens``; nothing while other threads run (setting a state back would hand them
-    numbers drawn already: the check's runs then draw on, and a sampling step may lose
-    its buckets)."""
+    of ``gens``; the global ones not while other threads run (setting a state back
+    would hand them numbers drawn already: the check's runs then draw on, and a
+    sampling step may lose its buckets), ``gens`` always (the call's own: a sampler's)."""
     if threading.active_count() > 1:
-        return []
+        return [(gen, gen.get_state()) for gen in gens]
     # through the generators, not ``torch.get_rng_state``: an enclosing graphed call's
     # warmup spies on that (``lifecycle.StateReads``) and would take the check for the
     # call's own

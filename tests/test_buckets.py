@@ -1,6 +1,7 @@
 """Buckets (padding and slicing) and the graph memory budget, on the CPU stand-in."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -653,7 +654,8 @@ SAMPLER_GEN = {}  # device -> a generator the step below names (as a global woul
 def check_the_padding_check_puts_back_a_generator_the_call_names(device="cpu"):
     """A bucketed step drawing from a ``torch.Generator`` it names (16 numbers a call,
     whatever the batch): the check's extra runs drew from it too, so later draws
-    differed from eager's and the check's own runs disagreed (padding turned off)."""
+    differed from eager's and the check's own runs disagreed (padding turned off);
+    with other threads alive too."""
     gen = SAMPLER_GEN.setdefault(device, torch.Generator(device=device))
     weight = torch.randn(8, 16, device=device)
 
@@ -673,11 +675,18 @@ def check_the_padding_check_puts_back_a_generator_the_call_names(device="cpu"):
                 out.append(gen.get_state())
         return out
 
-    got = run(g)
+    idle = threading.Event()  # another thread alive (the defaults are not put back then)
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
+    try:
+        got = run(g)
+    finally:
+        idle.set()
+        other.join()
     want = run(sample)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert autograph.stats(g)["padding"] is None
+    assert "changes results" not in str(autograph.stats(g)["padding"])  # (CUDA: eager)
 
 
 def test_the_padding_check_puts_back_a_generator_the_call_names():

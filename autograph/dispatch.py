@@ -57,6 +57,10 @@ def argument_kinds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, 
     return (tuple(map(type, args)), tuple((k, type(v)) for k, v in kwargs.items()))
 
 
+COLLECTED = "transformers collects the layers' outputs through their hooks (a caller's " \
+    "output_hidden_states)"
+
+
 class Engine:
     """Graphs of one callable (a function, or one module instance's forward).
 
@@ -231,6 +235,8 @@ class Engine:
             hooked = watch.hooks()
             if hooked:
                 raise Uncapturable(EagerReason.HOOKS, hooked)
+        if watch.collects and notify.collector():
+            raise Uncapturable(EagerReason.HOOKS, COLLECTED)
         if key.modes[0] and self._autograd_records(flat):
             if not self.trains:
                 raise Uncapturable(EagerReason.AUTOGRAD)

@@ -119,6 +119,8 @@ class Watch:
         self.assignments: list[tuple[nn.Module, str, Any]] = []
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
+        # transformers' collecting hooks are on the modules (notify.collecting)
+        self.collects = False
         # a scripted module whose code assigns an attribute (notify.script_assigns)
         self.script_assigns: str | None = None
         self._own: set[int] = set()  # modules whose own hooks run outside the graphs
@@ -186,6 +188,7 @@ class Watch:
         # the module); every other module does, the ones the code names included
         self._own = set() if self._hooks_of_roots else {id(m) for m in self._roots()}
         self.hook_reason, self._hooked = notify.hooks_reason(list(modules.values()), self._own)
+        self.collects = notify.collecting(list(modules.values()), self._own)
         self.script_assigns = notify.script_assigns(modules.values())
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
@@ -249,6 +252,7 @@ class Watch:
             return self.hook_reason
         modules = [m for m in (ref() for ref in self._modules) if m is not None]
         self.hook_reason, self._hooked = notify.hooks_reason(modules, self._own)
+        self.collects = notify.collecting(modules, self._own)
         return self.hook_reason
 
     def _hidden_same(self) -> bool:

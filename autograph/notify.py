@@ -13,6 +13,7 @@ directly (``ModuleList.insert``, ``ModuleDict.clear``) report those changes.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -252,9 +253,37 @@ _CHECKS_ONLY = frozenset({"torch.export._unlift"})
 
 def _hooked(m: nn.Module) -> bool:
     """Whether ``m`` has forward hooks whose side effects a replay would skip."""
-    return any(getattr(hook, "__module__", None) not in _CHECKS_ONLY
+    return any(getattr(hook, "__module__", None) not in _CHECKS_ONLY and not _collects(hook)
                for hooks in (m._forward_hooks, m._forward_pre_hooks)
                for hook in hooks.values())
+
+
+# transformers (5.x) puts a hook on each layer whose outputs a model may return
+# (``output_hidden_states=True``, asked once, by the user or by a multimodal model's
+# own code), left there for good: it does nothing unless a collector is active
+_COLLECTING = "transformers.utils.output_capturing"
+
+
+def _collects(hook: Any) -> bool:
+    return getattr(hook, "__module__", None) == _COLLECTING and \
+        getattr(hook, "__name__", None) == "output_capturing_hook"
+
+
+def collecting(modules: list[nn.Module], skip: set[int]) -> bool:
+    """Whether any of ``modules`` (but those in ``skip``) has transformers' collecting
+    hook: a call is graphed only while no collector is active (:func:`collector`)."""
+    return any(_collects(hook) for m in modules if id(m) not in skip
+               for hook in m._forward_hooks.values())
+
+
+def collector() -> bool:
+    """Whether transformers collects layer outputs in this context now (a model's
+    ``output_hidden_states`` call around this one): the hooks of the layers a call
+    runs append to it, which a replay would not do.  A collector the call itself sets
+    up (a model asked for its hidden states) is the call's own: its outputs."""
+    capturing = sys.modules.get(_COLLECTING)
+    active = getattr(capturing, "_active_collector", None)
+    return active is not None and active.get() is not None
 
 
 def _global_dicts() -> tuple[dict[Any, Any], dict[Any, Any]]:

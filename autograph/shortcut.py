@@ -101,11 +101,12 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
     switch, env_set, nesting, is_nested = _switch, _switch.env_set, _nesting, _is_nested
     profiling, functorch, held, observed = _profiling, _functorch, _HELD, _counting
     fwad = _fwad
-    hooks, pre_hooks = notify.GLOBAL_HOOKS, notify.GLOBAL_PRE_HOOKS
+    hooks, pre_hooks, collector = notify.GLOBAL_HOOKS, notify.GLOBAL_PRE_HOOKS, notify.collector
 
     def shortcut(args: tuple[Any, ...]) -> Any:
         if (switch._active or env_set() or entry.run is not run
                 or watch.hook_reason is not None or hooks or pre_hooks
+                or (watch.collects and collector())
                 or (nesting.active and is_nested()) or functorch() or profiling()
                 or fwad._current_level >= 0
                 or not ok() or read_modes() != expected_modes

@@ -996,3 +996,44 @@ def check_objects_of_libraries_named_torch_something_are_plain(device="cpu"):
 
 def test_objects_of_libraries_named_torch_something_are_plain(standin):
     check_objects_of_libraries_named_torch_something_are_plain()
+
+
+def check_transformers_collecting_hooks_are_inert_until_a_caller_collects(device="cpu"):
+    """transformers (5.x) leaves a hook on each layer once a model was asked for its
+    hidden states: every later call ran eagerly (``hooks``).  They do nothing while
+    no collector is active: calls replay, a call asking for hidden states gets eager's
+    (its collector is its own), and a graphed layer called while its model collects
+    runs eagerly, so that the model's hidden states are complete."""
+    model = _tiny("llama").to(device).model
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 96, (1, 6), device=device)
+    with torch.no_grad():
+        model(ids, output_hidden_states=True)  # installs the hooks
+        assert any(m._forward_hooks for m in model.modules())
+        g = autograph.graphed(model)
+        for hidden in (False, True):
+            for _ in range(5):
+                ids = torch.randint(0, 96, (1, 6), device=device)
+                got = g(ids, output_hidden_states=hidden, use_cache=False)
+                want = twin(ids, output_hidden_states=hidden, use_cache=False)
+                torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state)
+                if hidden:
+                    assert len(got.hidden_states) == len(want.hidden_states) == 3
+                    for a, b in zip(got.hidden_states, want.hidden_states):
+                        torch.testing.assert_close(a, b)
+        assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+        layer = autograph.graphed(model.layers[1])
+        model.layers[1] = layer
+        for _ in range(4):
+            ids = torch.randint(0, 96, (1, 6), device=device)
+            got = model(ids, output_hidden_states=True, use_cache=False)
+            want = twin(ids, output_hidden_states=True, use_cache=False)
+            assert len(got.hidden_states) == len(want.hidden_states) == 3
+            for a, b in zip(got.hidden_states, want.hidden_states):
+                torch.testing.assert_close(a, b)
+        assert autograph.stats(layer)["replays"] == 0
+        assert autograph.stats(layer)["eager_reasons"].get("hooks"), autograph.stats(layer)
+
+
+def test_transformers_collecting_hooks_are_inert_until_a_caller_collects(standin):
+    check_transformers_collecting_hooks_are_inert_until_a_caller_collects()

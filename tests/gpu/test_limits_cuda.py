@@ -77,6 +77,7 @@ from ..test_objects import (
     check_objects_of_libraries_named_torch_something_are_plain,
     check_output_that_is_an_objects_tensor,
     check_training_a_model_that_returns_a_dynamic_cache,
+    check_transformers_collecting_hooks_are_inert_until_a_caller_collects,
 )
 from ..test_recapture import check_an_lstm_graphs_again_after_its_parameters_are_replaced
 from ..test_region import (
@@ -570,3 +571,7 @@ def test_a_traced_module_that_fails_under_a_mode_runs():
 
 def test_an_exported_program_module_replays():
     check_an_exported_program_module_replays("cuda")
+
+
+def test_transformers_collecting_hooks_are_inert_until_a_caller_collects():
+    check_transformers_collecting_hooks_are_inert_until_a_caller_collects("cuda")

@@ -17,6 +17,7 @@ import dis
 import enum
 import functools
 import inspect
+import itertools
 import math
 import sys
 import threading
@@ -163,7 +164,7 @@ def _fixed(value: Any) -> tuple[Callable[[], Any], Any]:
 
 
 def _plain_object(value: Any) -> bool:
-    return isinstance(getattr(value, "__dict__", None), dict) and not isinstance(
+    return isinstance(_safe_getattr(value, "__dict__"), dict) and not isinstance(
         value, (nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType))
 
 
@@ -223,47 +224,62 @@ def _namespace(value: Any) -> bool:
 def slotted(value: Any) -> bool:
     """An object of a user's class with ``__slots__`` and no ``__dict__`` (a
     ``@dataclass(slots=True)``): its attributes are read through its slots."""
-    return (not hasattr(value, "__dict__") and hasattr(type(value), "__slots__")
+    return (_safe_getattr(value, "__dict__") is MISSING and hasattr(type(value), "__slots__")
             and _user_class(type(value)) and not isinstance(value, type))
 
 
-def _slot_names(cls: type) -> list[str]:
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """The slot names of ``cls`` and its bases (not ``__dict__``, ``__weakref__``)."""
     names: list[str] = []
     for klass in cls.__mro__:
         slots = vars(klass).get("__slots__", ())
         names += [n for n in ((slots,) if isinstance(slots, str) else slots)
                   if n not in ("__dict__", "__weakref__")]
-    return names
+    return tuple(names)
 
 
-class SlotsView(Mapping[str, Any]):
-    """A slotted object's attributes as a live mapping, as its ``__dict__`` would be
-    (an unset slot is absent)."""
+class AttributesView(Mapping[str, Any]):
+    """An object with slots: its attributes as a live mapping, as its ``__dict__`` would
+    be (its slots, an unset one absent, then its ``__dict__`` if it has one)."""
 
     def __init__(self, obj: Any) -> None:
         self._obj = obj
         self._names = _slot_names(type(obj))
+        self._dict = _safe_getattr(obj, "__dict__")
 
     def __getitem__(self, name: str) -> Any:
-        value = getattr(self._obj, name, MISSING) if name in self._names else MISSING
+        value = _safe_getattr(self._obj, name) if name in self._names else MISSING
         if value is MISSING:
+            if isinstance(self._dict, dict):
+                return self._dict[name]
             raise KeyError(name)
         return value
 
     def __iter__(self) -> Iterator[str]:
-        return (n for n in self._names if getattr(self._obj, n, MISSING) is not MISSING)
+        own = list(self._dict) if isinstance(self._dict, dict) else []
+        return itertools.chain((n for n in self._names
+                                if _safe_getattr(self._obj, n) is not MISSING), own)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
 
+def _safe_getattr(obj: Any, name: str) -> Any:
+    """``getattr(obj, name)``, or :data:`MISSING` where that raises anything (a
+    property of the user's)."""
+    try:
+        return getattr(obj, name)
+    except Exception:  # noqa: BLE001
+        return MISSING
+
+
 def attributes(value: Any) -> Mapping[str, Any]:
-    """An object's attributes: its ``__dict__``, with the values of its slots."""
-    own = getattr(value, "__dict__", None)  # (a class's: a mapping proxy)
-    if not hasattr(type(value), "__slots__"):
-        return own if isinstance(own, Mapping) else {}
-    view = SlotsView(value)
-    return {**own, **view} if isinstance(own, Mapping) else view
+    """An object's attributes, live: its ``__dict__`` (a class's: a mapping proxy), or
+    where its class has slots an :class:`AttributesView` (slots and ``__dict__``)."""
+    if _slot_names(type(value)):
+        return AttributesView(value)
+    own = _safe_getattr(value, "__dict__")
+    return own if isinstance(own, Mapping) else {}
 
 
 _LIBRARIES = frozenset({"torch", "numpy", "builtins", "autograph", "typing_extensions", "wrapt"})
@@ -319,7 +335,7 @@ def _namespace_values(obj: Any, names: Iterable[str], loads: dict[str, frozenset
         return [(_local_getter(obj, n), getattr(obj, n, MISSING)) for n in sorted(names)
                 if not n.startswith("__") and not callable(
                     inspect.getattr_static(type(obj), n, None))]  # (methods: new at reads)
-    d = vars(obj) if not slotted(obj) else SlotsView(obj)
+    d = attributes(obj)
     out: list[tuple[Callable[[], Any], Any]] = []
     for n in sorted(names):
         if n.startswith("__") or n not in d:
@@ -585,23 +601,44 @@ def changed_attribute(before: list[tuple[str, Any]], now: list[tuple[str, Any]] 
     return None
 
 
-def config_dicts(modules: Iterable[nn.Module]) -> list[Mapping[str, Any]]:
-    """The attributes (``__dict__``, or a :class:`SlotsView`) of each plain
+def config_dicts(modules: Iterable[nn.Module], codes: Iterable[types.CodeType] = ()
+                 ) -> list[Mapping[str, Any]]:
+    """The attributes (``__dict__``, or an :class:`AttributesView`) of each plain
     configuration object the modules hold: the object at a module's ``config`` or
     ``_config`` attribute (transformers' models and layers read their flags there:
     ``self.config.output_hidden_states``) and dataclass instances in module attributes
-    (``self._cfg`` and slotted ones too), once each.  A graph replays the decisions
-    taken from them at capture, and changing them sets no module attribute, so
-    ``guards.Watch`` compares each with a shallow copy on every call."""
+    (slotted ones too) under a name the modules' forwards or ``codes`` use (a
+    ``self._meter`` a training loop counts up and no forward reads is not one), once
+    each.  A graph replays the decisions taken from them at capture, and changing them
+    sets no module attribute, so ``guards.Watch`` compares each with a shallow copy on
+    every call."""
     found: dict[int, Mapping[str, Any]] = {}
+    names: set[str] | None = None
     for m in modules:
         for name, value in vars(m).items():
             if isinstance(value, (nn.Module, torch.Tensor, type)):
                 continue
-            if name in ("config", "_config") or dataclasses.is_dataclass(value):
-                d = getattr(value, "__dict__", None)
-                if isinstance(d, dict):
-                    found.setdefault(id(value), d)
-                elif slotted(value):
-                    found.setdefault(id(value), SlotsView(value))
+            if name not in ("config", "_config"):
+                if not dataclasses.is_dataclass(value):
+                    continue
+                if names is None:
+                    names = _forward_names(modules, codes)
+                if name not in names:
+                    continue
+            d = attributes(value)
+            if d:
+                found.setdefault(id(value), d)
     return list(found.values())
+
+
+def _forward_names(modules: Iterable[nn.Module], codes: Iterable[types.CodeType]
+                   ) -> set[str]:
+    """The names the forwards of ``modules`` (of the user's classes, with the methods
+    they call) and ``codes`` use."""
+    names: set[str] = set()
+    for c in codes:
+        names |= _code_names(c)
+    for cls in {type(m) for m in modules}:
+        if _user_class(cls):
+            names |= _attribute_names(cls, _codes_of(getattr(cls, "forward", None)))
+    return names

@@ -19,11 +19,14 @@ not returned, or nested in another argument) makes the key run eagerly
 from __future__ import annotations
 
 import collections
+import collections.abc
 import copy
 import dataclasses
+import io
 import itertools
 import threading
 import types
+import warnings
 from collections.abc import Iterable, Mapping, MutableMapping, MutableSequence
 from typing import Any
 
@@ -202,16 +205,17 @@ MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchec
 Held = list[tuple[str, Any, tuple[Any, ...], Any]]
 MODULE_CONTAINER = "a list, dict or set that a module holds or the code names"
 MODULE_OBJECT = "an attribute of an object that a module holds"
-_SMALL = 256  # the items of a container that an object holds, past which it is not read
+_LARGE = 256  # a container of more items is compared by its length and ends
+_ENDS = 8  # the items at each end of a large container that are compared
 
 
 def held(modules: Iterable[nn.Module], named: Iterable[tuple[str, Any]] = ()) -> Held:
-    """The lists, dicts, sets and deques (``OrderedDict``, ``defaultdict`` too), and the
-    plain objects (a ``SimpleNamespace``, a dataclass, an object of the user's class,
-    an ``itertools.count``), that ``modules`` hold as plain attributes (``self.maps =
-    []``, ``self.state = State()``), those ``named`` (globals and closure cells the
-    code names, :func:`named_by`), and the containers inside them, with what each holds
-    now."""
+    """The lists, dicts, sets and deques (``OrderedDict``, ``defaultdict`` too), the
+    plain objects (a ``SimpleNamespace``, a dataclass, an object of the user's class)
+    and the iterators (``itertools.count``, ``cycle``), that ``modules`` hold as plain
+    attributes (``self.maps = []``, ``self.state = State()``), those ``named``
+    (globals and closure cells the code names, :func:`named_by`), and the containers
+    inside them, with what each holds now."""
     out: Held = []
     budget = [MAX_HELD]
     seen: set[int] = set()  # each once (transformers' layers all hold one config)
@@ -231,14 +235,19 @@ def _holds(value: Any) -> bool:
 
 
 def _object(value: Any) -> bool:
-    return type(value) is itertools.count or (
+    return _iterator(value) or (
         _namespace(value) and not isinstance(value, (types.ModuleType, threading.local)))
+
+
+def _iterator(value: Any) -> bool:
+    """An iterator a call may advance (``next(self.counter)``; not a file)."""
+    return isinstance(value, collections.abc.Iterator) and not isinstance(
+        value, (io.IOBase, torch.Tensor, nn.Module))
 
 
 def _hold(label: str, value: Any, out: Held, budget: list[int], seen: set[int]) -> None:
     """Add ``value`` and the containers inside it to ``out`` (``budget``: the items left
-    to compare; an object's containers only while small: a tokenizer's vocabulary is
-    not the call's to change; no object inside a container)."""
+    to compare; no object inside a container)."""
     stack = [value]
     while stack and budget[0] > 0:
         c = stack.pop()
@@ -249,13 +258,13 @@ def _hold(label: str, value: Any, out: Held, budget: list[int], seen: set[int]) 
         budget[0] -= len(contents)
         if isinstance(c, _HELD_TYPES):
             out.append((label, c, contents, copy.copy(c)))
-            inner: Iterable[Any] = c.values() if isinstance(c, dict) else c
+            inner: Any = c.values() if isinstance(c, dict) else c
         else:
-            attributes = dict(_attributes(c)) if type(c) is not itertools.count else {}
+            attributes = {} if _iterator(c) else dict(_attributes(c))
             out.append((label, c, contents, attributes))
-            inner = [v for v in attributes.values() if isinstance(v, _HELD_TYPES)
-                     and len(v) <= _SMALL]
-        stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
+            inner = attributes.values()
+        if len(inner) <= _LARGE:  # (a large one's items are not read: a vocabulary)
+            stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
 
 
 def named_by(named: Iterable[Named]) -> list[tuple[str, Any]]:
@@ -288,43 +297,100 @@ def held_change(before: Held) -> str | None:
 
 
 def restore(before: Held) -> None:
-    """Take out of the containers in ``before`` the tensors a capture put there (the
-    graph's, which later replays would overwrite; the call then runs eagerly and puts
-    its own there, as eager mode does).  Only tensors new since ``before``: what other
-    threads put there meanwhile, other values, stays."""
+    """Give the containers and objects in ``before`` that a capture changed what they
+    held: the call then runs eagerly and changes them once, as eager mode does, and
+    the graph's tensors, which later replays would overwrite, are not left there.
+    While other threads run, only the tensors new since ``before`` are taken out (what
+    another thread put there meanwhile stays).  An iterator cannot be put back."""
+    alone = threading.active_count() == 1
     for _, value, contents, saved in before:
         if _contents(value) == contents:
             continue
         if isinstance(value, dict):
-            for k in [k for k, v in value.items() if isinstance(v, torch.Tensor)
-                      and (k not in saved or saved[k] is not v)]:
-                if k in saved:
-                    value[k] = saved[k]
-                else:
-                    del value[k]
+            _restore_dict(value, saved, alone)
         elif isinstance(value, (list, collections.deque)):
-            old = {id(v) for v in saved}
-            fresh = [i for i, v in enumerate(value)
-                     if isinstance(v, torch.Tensor) and id(v) not in old]
-            for i in reversed(fresh):  # by position: tensors do not compare as values
-                del value[i]
-        elif not isinstance(value, (set, itertools.count)):  # an object: its attributes
-            for k, v in list(_attributes(value).items()):
-                if isinstance(v, torch.Tensor) and saved.get(k) is not v:
-                    if k in saved:
-                        setattr(value, k, saved[k])
-                    else:
-                        delattr(value, k)
+            _restore_sequence(value, saved, alone)
+        elif isinstance(value, set):
+            if alone:
+                value.clear()
+                value.update(saved)
+        elif not _iterator(value):  # an object: its attributes
+            now = _attributes(value)
+            for k in [k for k in now if k not in saved]:
+                if alone or isinstance(now[k], torch.Tensor):
+                    delattr(value, k)
+            for k, v in saved.items():
+                was = now.get(k, _GONE)
+                if was is not v and (alone or isinstance(was, torch.Tensor)):
+                    setattr(value, k, v)
+
+
+def _restore_dict(value: dict[Any, Any], saved: dict[Any, Any], alone: bool) -> None:
+    if alone:
+        value.clear()
+        value.update(saved)
+        return
+    for k in [k for k, v in value.items() if isinstance(v, torch.Tensor)
+              and (k not in saved or saved[k] is not v)]:
+        if k in saved:
+            value[k] = saved[k]
+        else:
+            del value[k]
+
+
+def _restore_sequence(value: Any, saved: Any, alone: bool) -> None:
+    if alone:
+        value.clear()
+        value.extend(saved)
+        return
+    old = {id(v) for v in saved}
+    fresh = [i for i, v in enumerate(value) if isinstance(v, torch.Tensor) and id(v) not in old]
+    for i in reversed(fresh):  # by position: tensors do not compare as values
+        del value[i]
+
+
+_GONE = object()
 
 
 def _contents(value: Any) -> tuple[Any, ...]:
-    """What ``value`` holds, by identity (its items; an object's attribute names and
-    values; where an ``itertools.count`` stands)."""
+    """What ``value`` holds, by identity (its items, a large container's length and
+    items at its ends; an object's attribute names and values; where an iterator
+    stands, as its pickling state shows it, or a new object where it has none)."""
     if isinstance(value, dict):
+        if len(value) > _LARGE:
+            last = list(itertools.islice(reversed(value.items()), _ENDS))
+            return (len(value), *map(id, itertools.chain.from_iterable(last)))
         return tuple(map(id, (*value.keys(), *value.values())))
+    if isinstance(value, (list, collections.deque)) and len(value) > _LARGE:
+        return (len(value), *map(id, itertools.islice(value, _ENDS)),
+                *map(id, itertools.islice(reversed(value), _ENDS)))
     if isinstance(value, _HELD_TYPES):
         return tuple(map(id, value))
-    if type(value) is itertools.count:
-        return (repr(value),)
+    if _iterator(value):
+        return (_where(value),)
     attributes = _attributes(value)
     return tuple(map(id, (*attributes.keys(), *attributes.values())))
+
+
+def _where(value: Any, depth: int = 6) -> Any:
+    """Where an iterator stands, comparable with ``==``: its pickling state (``count``'s
+    number, a range or list iterator's index, a ``cycle``'s saved items and the
+    iterator it draws from, followed ``depth`` levels), a generator's instruction and
+    locals; None where it shows none (not seen)."""
+    if depth and isinstance(value, types.GeneratorType):
+        frame = value.gi_frame
+        return None if frame is None else (frame.f_lasti, *map(id, frame.f_locals.values()))
+    if depth and _iterator(value):
+        try:
+            with warnings.catch_warnings():  # (itertools' pickling is deprecated in 3.12)
+                warnings.simplefilter("ignore")
+                state = value.__reduce__()
+        except Exception:  # noqa: BLE001
+            return None
+        return (type(value), _where(state, depth - 1))
+    if depth and isinstance(value, (tuple, list)) and len(value) <= _LARGE:
+        return tuple(_where(v, depth - 1) for v in value)
+    return value if isinstance(value, _PLAIN) else id(value)
+
+
+_PLAIN = (int, float, str, bytes, bool, type(None), type)

@@ -1271,21 +1271,31 @@ SLOTTED_CFG = _SlottedCfg()
 SLOTTED_SETTING = _SlottedSetting()
 
 
+@dataclasses.dataclass
+class _MixedCfg(_SlottedCfg):  # a slotted base, a __dict__ of its own
+    gain: float = 1.0
+
+
 class _Configured(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
         self.cfg = _SlottedCfg()  # slotted: no __dict__
         self._cfg = dataclasses.make_dataclass("PrivateCfg", [("shift", float, 0.0)])()
+        self.mixed = _MixedCfg()
+        self._meter = dataclasses.make_dataclass("Meter", [("step", int, 0)])()  # unread
 
     def forward(self, x):
-        return self.fc(x) / self.cfg.temperature + self._cfg.shift
+        y = self.fc(x) / self.cfg.temperature + self._cfg.shift
+        return y * self.mixed.temperature * self.mixed.gain
 
 
 def check_slotted_and_private_configs_are_seen(device="cpu"):
     """A ``@dataclass(slots=True)`` config a module holds, one under a private name
-    (``self._cfg``), and slotted objects named as globals, changed between calls, give
-    the new value (the graphs replayed the old one)."""
+    (``self._cfg``), one with a slotted base and a ``__dict__``, and slotted objects
+    named as globals, changed between calls, give the new value (the graphs replayed
+    the old one); a dataclass the forward never reads, counted up by the loop, drops no
+    graphs."""
     m = _Configured().to(device)
     g = autograph.graphed(m)
 
@@ -1296,17 +1306,23 @@ def check_slotted_and_private_configs_are_seen(device="cpu"):
     changes = {4: lambda: setattr(m.cfg, "temperature", 0.5),
                7: lambda: setattr(m._cfg, "shift", 3.0),
                10: lambda: setattr(SLOTTED_CFG, "temperature", 0.25),
-               13: lambda: setattr(SLOTTED_SETTING, "t", 3.0)}
+               13: lambda: setattr(SLOTTED_SETTING, "t", 3.0),
+               16: lambda: setattr(m.mixed, "temperature", 2.0),  # its slot
+               19: lambda: setattr(m.mixed, "gain", 3.0)}
     try:
         with torch.no_grad():
-            for i in range(16):
+            for i in range(22):
                 changes.get(i, lambda: None)()
                 x = torch.randn(2, 4, device=device)
-                torch.testing.assert_close(g(x), m.fc(x) / m.cfg.temperature + m._cfg.shift)
+                want = (m.fc(x) / m.cfg.temperature + m._cfg.shift) * m.mixed.temperature \
+                    * m.mixed.gain
+                torch.testing.assert_close(g(x), want)
                 torch.testing.assert_close(gf(x), f(x))
+                m._meter.step += 1  # a training loop's counter the forward never reads
     finally:
         SLOTTED_CFG.temperature, SLOTTED_SETTING.t = 1.0, 1.0
-    assert autograph.stats(g)["replays"] > 0 and autograph.stats(gf)["replays"] > 0
+    assert autograph.stats(g)["replays"] >= 8, autograph.stats(g)
+    assert autograph.stats(gf)["replays"] > 0
 
 
 def test_slotted_and_private_configs_are_seen():
@@ -1322,7 +1338,9 @@ class _Stepping(nn.Module):
         self.fc = nn.Linear(4, 4)
         self.state = holder
         self.counter = itertools.count()
+        self.turns = itertools.cycle([1, -1, 2])
         self.lazy = types.SimpleNamespace(scale=None)
+        self.log = types.SimpleNamespace(history=[0.0] * 300)  # a large list inside
 
     def forward(self, x, which):
         if self.lazy.scale is None:  # set once: learned again, then graphed
@@ -1333,6 +1351,11 @@ class _Stepping(nn.Module):
             return y * min(self.state.step / 10, 1.0)
         if which == "count":
             return y if next(self.counter) % 2 == 0 else -y
+        if which == "cycle":
+            return y * next(self.turns)
+        if which == "history":
+            self.log.history.append(y.sum())
+            return y - 1
         if which == "keep":
             self.state.last = y
             return y + 1
@@ -1341,26 +1364,35 @@ class _Stepping(nn.Module):
 
 def check_objects_a_module_holds_changed_by_the_call(device="cpu"):
     """A call that changes an attribute of a plain object its module holds (a step
-    counter on a ``SimpleNamespace`` or a slotted dataclass, an ``itertools.count``
-    advanced, a tensor stored there) runs eagerly: a replay would freeze the counter
-    and leave the graph's own tensor there.  One set once (a lazy set-up) is graphed."""
+    counter on a ``SimpleNamespace`` or a slotted dataclass, an ``itertools.count`` or
+    ``cycle`` advanced, a tensor stored there, a large list appended to) runs eagerly
+    (with ``warmup=0`` too: the capture's change is put back before the eager run): a
+    replay would freeze the counter and leave the graph's own tensor there.  One set
+    once (a lazy set-up) is graphed."""
     @dataclasses.dataclass(slots=True)
     class Slotted:
         step: int = 0
         last: object = None
 
-    for holder in (types.SimpleNamespace(step=0, last=None), Slotted()):
+    for holder, warmup in ((types.SimpleNamespace(step=0, last=None), {}),
+                           (Slotted(), {}), (types.SimpleNamespace(step=0, last=None),
+                                             {"warmup": 0})):
         m = _Stepping(holder).to(device)
         ref = copy.deepcopy(m)
-        g = autograph.graphed(m)
+        g = autograph.graphed(m, **warmup)  # (0: the capture's change put back)
         with torch.no_grad():
-            for which in ("step", "count", "keep", "plain"):
+            for which in ("step", "count", "cycle", "keep", "history", "plain"):
+                if warmup and which in ("count", "cycle"):
+                    continue  # an iterator the capture advanced is not put back
                 for _ in range(6):
                     x = torch.randn(2, 4, device=device)
                     torch.testing.assert_close(g(x, which), ref(x, which))
                     assert m.state.step == ref.state.step
                     if which == "keep":
                         torch.testing.assert_close(m.state.last, ref.state.last)
+                    assert len(m.log.history) == len(ref.log.history)
+        torch.testing.assert_close(torch.stack(m.log.history[300:]),
+                                   torch.stack(ref.log.history[300:]))
         s = autograph.stats(g)
         assert s["replays"] > 0, s  # the "plain" calls
         assert s["eager_reasons"].get("assigns_attribute", 0) > 0, s
@@ -1430,3 +1462,43 @@ def check_an_exported_program_module_replays(device="cpu"):
 
 def test_an_exported_program_module_replays():
     check_an_exported_program_module_replays()
+
+
+class _SlotBase:
+    __slots__ = ("x", "y")
+
+
+class _RaisingSlot(_SlotBase):
+    __slots__ = ()
+
+    @property
+    def x(self):  # over the base's slot
+        raise RuntimeError("no x here")
+
+
+class _RaisingDict:
+    @property
+    def __dict__(self):
+        raise RuntimeError("no dict")
+
+
+class _HoldsOdd(nn.Module):
+    def __init__(self, odd):
+        super().__init__()
+        self.fc, self.odd, self.cfg = nn.Linear(4, 4), odd, odd
+
+    def forward(self, x):
+        return self.fc(x) * 2
+
+
+def test_odd_objects_a_module_holds_raise_nothing():
+    """Objects whose attribute reads raise (a property over a slot, a ``__dict__``
+    property) held by a module: autograph's reads of them raised the user's error."""
+    for odd in (_RaisingSlot(), _RaisingDict()):
+        m = _HoldsOdd(odd)
+        g = autograph.graphed(m)
+        with torch.no_grad():
+            for _ in range(5):
+                x = torch.randn(2, 4)
+                torch.testing.assert_close(g(x), m.fc(x) * 2)
+        assert autograph.stats(g)["replays"] > 0

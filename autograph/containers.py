@@ -300,8 +300,9 @@ def restore(before: Held) -> None:
     """Give the containers and objects in ``before`` that a capture changed what they
     held: the call then runs eagerly and changes them once, as eager mode does, and
     the graph's tensors, which later replays would overwrite, are not left there.
-    While other threads run, only the tensors new since ``before`` are taken out (what
-    another thread put there meanwhile stays).  An iterator cannot be put back."""
+    While other threads run, only the tensors new since ``before`` are taken out of a
+    container (what another thread put there meanwhile stays; an object's attributes
+    are all put back).  An iterator cannot be put back."""
     alone = threading.active_count() == 1
     for _, value, contents, saved in before:
         if _contents(value) == contents:
@@ -314,14 +315,12 @@ def restore(before: Held) -> None:
             if alone:
                 value.clear()
                 value.update(saved)
-        elif not _iterator(value):  # an object: its attributes
+        elif not _iterator(value):  # an object's attributes: all (threads or not)
             now = _attributes(value)
             for k in [k for k in now if k not in saved]:
-                if alone or isinstance(now[k], torch.Tensor):
-                    delattr(value, k)
+                delattr(value, k)
             for k, v in saved.items():
-                was = now.get(k, _GONE)
-                if was is not v and (alone or isinstance(was, torch.Tensor)):
+                if now.get(k, _GONE) is not v:
                     setattr(value, k, v)
 
 

@@ -45,8 +45,9 @@ _MISS = shortcut.MISS
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
 _functorch_active = shortcut._functorch_active
 
-# When a callable stops trying: this many new keys in a row without a replay (keys that
-# never repeat); after failed captures, see ``recording.GIVE_UP_FAILURES``.
+# When a callable stops trying: this many new keys (or ``max_graphs`` if more) in a row
+# without a replay or a capture (keys that never repeat); after failed captures,
+# ``recording.GIVE_UP_FAILURES``.
 GIVE_UP_FRESH_KEYS = 64
 MOVED = "its arguments' addresses moved and the last ones never replayed"
 
@@ -108,7 +109,7 @@ class Engine:
         # calls of other kinds (a generate switched to a static cache) try again
         self._given_up_kinds: set[Any] = set()
         self.failures = 0  # keys given up after a failed capture
-        self._fresh = 0  # new keys since the last replay
+        self._fresh = 0  # new keys since the last replay or capture
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -267,7 +268,8 @@ class Engine:
         if entry.cold:  # the addresses of a known structure moved: no new kind of call
             return entry
         self._fresh += 1
-        if self._fresh >= GIVE_UP_FRESH_KEYS and self.ranks is None:
+        if self._fresh >= max(GIVE_UP_FRESH_KEYS, self.options.max_graphs) \
+                and self.ranks is None:  # (a sampler's 100 steps, max_graphs=256: they repeat)
             self.give_up_all(f"{self._fresh} new keys in a row without a replay")
             self._given_up_kinds.add(argument_kinds(args, kwargs))
         return entry

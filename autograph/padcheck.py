@@ -125,11 +125,16 @@ def _problem(eager: Call, args: tuple[Any, ...], kwargs: dict[str, Any], batch: 
                 expect = eager(plain_args, plain_kwargs)
             except Exception:  # noqa: BLE001 - a bad call, not a verdict on padding
                 return UNCHECKED
+            after_plain = _random_state(args, kwargs, gens)
             _set_random_state(after_poison)  # the same draws in both runs (a sampler's)
             try:
                 got = slice_back(eager(*padded), size, real, out_dim(batch))
             except Exception as exc:  # noqa: BLE001 - a padded call that fails is unsafe
                 return f"the padded call raised {type(exc).__name__}"
+            if not _same_states(after_plain, _random_state(args, kwargs, gens)):
+                # (``multinomial`` per row: the real rows' draws equal, the generator
+                # then stands elsewhere than eager's)
+                return "the padded call draws more random numbers"
     finally:
         _set_random_state(start)  # the check draws nothing the call itself would
     return compare(expect, got) or compare_writes(
@@ -156,6 +161,11 @@ def _random_state(args: tuple[Any, ...], kwargs: dict[str, Any],
     defaults = [gen for d in devices if (gen := rng.generator(d)) is not None]
     every = {id(g): g for g in (*defaults, *gens)}.values()
     return [(gen, gen.get_state()) for gen in every]
+
+
+def _same_states(a: RandomState, b: RandomState) -> bool:
+    return len(a) == len(b) and all(
+        g is h and torch.equal(x, y) for (g, x), (h, y) in zip(a, b))
 
 
 def _set_random_state(state: RandomState) -> None:

@@ -61,3 +61,23 @@ def test_calls_of_another_kind_try_again_after_giving_up(standin):
             torch.testing.assert_close(g(x, n), x * n)
         g(torch.ones(2), 71)  # the kind that gave up: eager again
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_keys_that_repeat_after_many_new_ones_do_not_give_up(standin):
+    """A sampler whose step is keyed by a Python int (50 to 100 timesteps per sample):
+    the keys repeat a sample later.  Captures reset the count of new keys (with the
+    default ``max_graphs`` the evicted keys came back as new and it gave up one step
+    before replaying), and ``max_graphs`` above 64 raises the bound (100 steps gave up
+    inside the first sample)."""
+    for steps, options in ((50, {}), (100, {"max_graphs": 128})):
+        @autograph.graphed(**options)
+        def step(x, t):
+            return x * (1.0 - t / 1000)
+
+        x = torch.randn(3)
+        with torch.no_grad():
+            for _ in range(5):
+                for t in range(steps):
+                    torch.testing.assert_close(step(x, t), x * (1.0 - t / 1000))
+        s = autograph.stats(step)
+        assert "given_up" not in s["eager_reasons"] and s["replays"] >= steps, s

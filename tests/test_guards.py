@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import itertools
+import threading
 import types
 
 import pytest
@@ -1374,6 +1375,17 @@ def check_objects_a_module_holds_changed_by_the_call(device="cpu"):
         step: int = 0
         last: object = None
 
+    idle = threading.Event()  # another thread alive: an object is put back still
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
+    try:
+        _objects_changed_by_the_call(device, Slotted)
+    finally:
+        idle.set()
+        other.join()
+
+
+def _objects_changed_by_the_call(device, Slotted):
     for holder, warmup in ((types.SimpleNamespace(step=0, last=None), {}),
                            (Slotted(), {}), (types.SimpleNamespace(step=0, last=None),
                                              {"warmup": 0})):

@@ -38,7 +38,7 @@ from ..test_backward import (
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
     check_a_first_call_that_writes_nothing_keeps_the_buckets,
-    check_a_sampling_step_keeps_its_buckets,
+    check_a_sampling_step_keeps_eagers_random_stream,
     check_a_write_the_first_call_did_not_make_reaches_the_caller,
     check_boolean_integer_and_non_batch_arguments_in_the_padding_check,
     check_bucketed_calls_in_any_spelling_and_nested,
@@ -376,9 +376,8 @@ def test_methods_graph_their_submodule_calls():
     check_methods_graph_their_submodule_calls("cuda")
 
 
-def test_a_sampling_step_keeps_its_buckets():
-    s = check_a_sampling_step_keeps_its_buckets("cuda")
-    print("sampling step on CUDA:", s["padding"], s["replays"])
+def test_a_sampling_step_keeps_eagers_random_stream():
+    check_a_sampling_step_keeps_eagers_random_stream("cuda")
 
 
 def test_objects_the_call_returns():

@@ -601,44 +601,22 @@ def changed_attribute(before: list[tuple[str, Any]], now: list[tuple[str, Any]] 
     return None
 
 
-def config_dicts(modules: Iterable[nn.Module], codes: Iterable[types.CodeType] = ()
-                 ) -> list[Mapping[str, Any]]:
+def config_dicts(modules: Iterable[nn.Module]) -> list[Mapping[str, Any]]:
     """The attributes (``__dict__``, or an :class:`AttributesView`) of each plain
     configuration object the modules hold: the object at a module's ``config`` or
     ``_config`` attribute (transformers' models and layers read their flags there:
     ``self.config.output_hidden_states``) and dataclass instances in module attributes
-    (slotted ones too) under a name the modules' forwards or ``codes`` use (a
-    ``self._meter`` a training loop counts up and no forward reads is not one), once
+    (under any name: a helper function may read ``mod.opts``; slotted ones too), once
     each.  A graph replays the decisions taken from them at capture, and changing them
     sets no module attribute, so ``guards.Watch`` compares each with a shallow copy on
     every call."""
     found: dict[int, Mapping[str, Any]] = {}
-    names: set[str] | None = None
     for m in modules:
         for name, value in vars(m).items():
             if isinstance(value, (nn.Module, torch.Tensor, type)):
                 continue
-            if name not in ("config", "_config"):
-                if not dataclasses.is_dataclass(value):
-                    continue
-                if names is None:
-                    names = _forward_names(modules, codes)
-                if name not in names:
-                    continue
-            d = attributes(value)
-            if d:
-                found.setdefault(id(value), d)
+            if name in ("config", "_config") or dataclasses.is_dataclass(value):
+                d = attributes(value)
+                if d:
+                    found.setdefault(id(value), d)
     return list(found.values())
-
-
-def _forward_names(modules: Iterable[nn.Module], codes: Iterable[types.CodeType]
-                   ) -> set[str]:
-    """The names the forwards of ``modules`` (of the user's classes, with the methods
-    they call) and ``codes`` use."""
-    names: set[str] = set()
-    for c in codes:
-        names |= _code_names(c)
-    for cls in {type(m) for m in modules}:
-        if _user_class(cls):
-            names |= _attribute_names(cls, _codes_of(getattr(cls, "forward", None)))
-    return names

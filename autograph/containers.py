@@ -23,7 +23,6 @@ import collections.abc
 import copy
 import dataclasses
 import io
-import itertools
 import threading
 import types
 import warnings
@@ -197,7 +196,7 @@ def _put(result: Any, slots: tuple[int, ...] | None, mine: Any) -> Any:
 # what ``nn.Module.__init__`` puts in a module's ``__dict__`` (parameters, hooks, ...)
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
 _HELD_TYPES = (list, dict, set, collections.deque)  # and their subclasses
-MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchecked)
+MAX_HELD = 100_000  # items compared per call's modules (past it: the rest unchecked)
 
 # ("Module.name" or a global's name, a container or plain object it holds (or one
 # inside it), what that holds now (:func:`_contents`), a shallow copy (for an object:
@@ -205,8 +204,7 @@ MAX_HELD = 10_000  # items compared per call's modules (past it: the rest unchec
 Held = list[tuple[str, Any, tuple[Any, ...], Any]]
 MODULE_CONTAINER = "a list, dict or set that a module holds or the code names"
 MODULE_OBJECT = "an attribute of an object that a module holds"
-_LARGE = 256  # a container of more items is compared by its length and ends
-_ENDS = 8  # the items at each end of a large container that are compared
+_LARGE = 256  # an iterator's pickled state longer than this: compared by its ends
 
 
 def held(modules: Iterable[nn.Module], named: Iterable[tuple[str, Any]] = ()) -> Held:
@@ -240,9 +238,10 @@ def _object(value: Any) -> bool:
 
 
 def _iterator(value: Any) -> bool:
-    """An iterator a call may advance (``next(self.counter)``; not a file)."""
+    """An iterator of the standard library's a call may advance (``next(self.counter)``;
+    not a file; one of the user's class is an object, compared by its attributes)."""
     return isinstance(value, collections.abc.Iterator) and not isinstance(
-        value, (io.IOBase, torch.Tensor, nn.Module))
+        value, (io.IOBase, torch.Tensor, nn.Module)) and not _namespace(value)
 
 
 def _hold(label: str, value: Any, out: Held, budget: list[int], seen: set[int]) -> None:
@@ -263,8 +262,7 @@ def _hold(label: str, value: Any, out: Held, budget: list[int], seen: set[int]) 
             attributes = {} if _iterator(c) else dict(_attributes(c))
             out.append((label, c, contents, attributes))
             inner = attributes.values()
-        if len(inner) <= _LARGE:  # (a large one's items are not read: a vocabulary)
-            stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
+        stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
 
 
 def named_by(named: Iterable[Named]) -> list[tuple[str, Any]]:
@@ -352,17 +350,10 @@ _GONE = object()
 
 
 def _contents(value: Any) -> tuple[Any, ...]:
-    """What ``value`` holds, by identity (its items, a large container's length and
-    items at its ends; an object's attribute names and values; where an iterator
-    stands, as its pickling state shows it, or a new object where it has none)."""
+    """What ``value`` holds, by identity (its items; an object's attribute names and
+    values; where an iterator stands, :func:`_where`)."""
     if isinstance(value, dict):
-        if len(value) > _LARGE:
-            last = list(itertools.islice(reversed(value.items()), _ENDS))
-            return (len(value), *map(id, itertools.chain.from_iterable(last)))
         return tuple(map(id, (*value.keys(), *value.values())))
-    if isinstance(value, (list, collections.deque)) and len(value) > _LARGE:
-        return (len(value), *map(id, itertools.islice(value, _ENDS)),
-                *map(id, itertools.islice(reversed(value), _ENDS)))
     if isinstance(value, _HELD_TYPES):
         return tuple(map(id, value))
     if _iterator(value):
@@ -374,11 +365,12 @@ def _contents(value: Any) -> tuple[Any, ...]:
 def _where(value: Any, depth: int = 6) -> Any:
     """Where an iterator stands, comparable with ``==``: its pickling state (``count``'s
     number, a range or list iterator's index, a ``cycle``'s saved items and the
-    iterator it draws from, followed ``depth`` levels), a generator's instruction and
-    locals; None where it shows none (not seen)."""
-    if depth and isinstance(value, types.GeneratorType):
-        frame = value.gi_frame
-        return None if frame is None else (frame.f_lasti, *map(id, frame.f_locals.values()))
+    iterator it draws from, followed ``depth`` levels; a long list of the items left by
+    its length and ends); a new object (changed) for a generator, whose position its
+    frame does not show (a loop's iterator is on its stack); None where it shows none
+    (not seen)."""
+    if isinstance(value, types.GeneratorType):
+        return object()
     if depth and _iterator(value):
         try:
             with warnings.catch_warnings():  # (itertools' pickling is deprecated in 3.12)
@@ -387,7 +379,9 @@ def _where(value: Any, depth: int = 6) -> Any:
         except Exception:  # noqa: BLE001
             return None
         return (type(value), _where(state, depth - 1))
-    if depth and isinstance(value, (tuple, list)) and len(value) <= _LARGE:
+    if depth and isinstance(value, (tuple, list)):
+        if len(value) > _LARGE:  # (a dict iterator's items left, listed anew)
+            return (len(value), _where(value[0], depth - 1), _where(value[-1], depth - 1))
         return tuple(_where(v, depth - 1) for v in value)
     return value if isinstance(value, _PLAIN) else id(value)
 

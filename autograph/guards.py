@@ -49,7 +49,6 @@ from torch import nn
 
 from . import containers, notify
 from .coderefs import (
-    _codes_of,
     changed_attribute,
     class_refs,
     code_refs,
@@ -181,8 +180,7 @@ class Watch:
         # a named tensor given other memory in place (``K.data = ...``, ``set_``) is the
         # same object at another address, which a graph does not follow
         self._named_ptrs = [(v, v.data_ptr()) for _, v in refs if isinstance(v, torch.Tensor)]
-        codes = _codes_of(self._code) if self._code is not None else []
-        self._configs = [(d, dict(d)) for d in config_dicts(modules.values(), codes)]
+        self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
         self._ptrs = self._current_ptrs()
         self._idents = list(map(id, map(_getitem, holders, names)))
         self._all = list(range(len(self._ptrs)))

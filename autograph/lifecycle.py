@@ -170,8 +170,9 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
                 reads if reads is not None else _NO_BLOCK, hosts.constants(recorder):
             try:
                 out = fn(*args, **kwargs)
-            except Exception as exc:
-                if recorder is None or recorder.written or not _scripted(watch, fn):
+            except RuntimeError as exc:
+                if recorder is None or recorder.written or not _scripted(watch, fn) \
+                        or _SCRIPT_FIRST_RUN not in str(exc):
                     raise
                 failed = exc.with_traceback(None)
         if failed is not None:  # again, unrecorded: TorchScript may fail under a mode
@@ -226,11 +227,16 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
                   seconds, problem, drew)
 
 
+# what TorchScript's interpreter raises then (a cast of its own arguments, before the
+# graph's operators run: a call that raises otherwise, a user's error, is not run again)
+_SCRIPT_FIRST_RUN = "Expected a value of type"
+
+
 def _scripted(watch: Watch, fn: Callable[..., Any]) -> bool:
     """Whether the call runs TorchScript (a scripted or traced module or function),
     whose interpreter raises on some graphs' first run under a dispatch mode, before
     it runs an operator (``aten::equal() Expected a value of type 'Tensor'``): run
-    again unrecorded, such a call is eager."""
+    again unrecorded, the next warmup learns."""
     script = (torch.jit.ScriptModule, torch.jit.ScriptFunction)
     return isinstance(getattr(fn, "__self__", fn), script) or any(
         isinstance(m, torch.jit.ScriptModule) for m in watch.every_module())

@@ -283,7 +283,7 @@ def collector() -> bool:
     up (a model asked for its hidden states) is the call's own: its outputs."""
     capturing = sys.modules.get(_COLLECTING)
     active = getattr(capturing, "_active_collector", None)
-    return active is not None and active.get() is not None
+    return active is not None and bool(active.get())  # (every model's forward sets {})
 
 
 def _global_dicts() -> tuple[dict[Any, Any], dict[Any, Any]]:

@@ -1284,19 +1284,31 @@ class _Configured(nn.Module):
         self.cfg = _SlottedCfg()  # slotted: no __dict__
         self._cfg = dataclasses.make_dataclass("PrivateCfg", [("shift", float, 0.0)])()
         self.mixed = _MixedCfg()
-        self._meter = dataclasses.make_dataclass("Meter", [("step", int, 0)])()  # unread
 
     def forward(self, x):
         y = self.fc(x) / self.cfg.temperature + self._cfg.shift
         return y * self.mixed.temperature * self.mixed.gain
 
 
+def _scale_of(module):  # a helper the forward calls: reads ``module.opts``
+    return module.opts.scale
+
+
+class _HelperReads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.opts = dataclasses.make_dataclass("Opts", [("scale", float, 1.0)])()
+
+    def forward(self, x):
+        return self.fc(x) * _scale_of(self)
+
+
 def check_slotted_and_private_configs_are_seen(device="cpu"):
     """A ``@dataclass(slots=True)`` config a module holds, one under a private name
     (``self._cfg``), one with a slotted base and a ``__dict__``, and slotted objects
-    named as globals, changed between calls, give the new value (the graphs replayed
-    the old one); a dataclass the forward never reads, counted up by the loop, drops no
-    graphs."""
+    named as globals, and one a helper function reads, changed between calls, give the
+    new value (the graphs replayed the old one)."""
     m = _Configured().to(device)
     g = autograph.graphed(m)
 
@@ -1319,15 +1331,35 @@ def check_slotted_and_private_configs_are_seen(device="cpu"):
                     * m.mixed.gain
                 torch.testing.assert_close(g(x), want)
                 torch.testing.assert_close(gf(x), f(x))
-                m._meter.step += 1  # a training loop's counter the forward never reads
     finally:
         SLOTTED_CFG.temperature, SLOTTED_SETTING.t = 1.0, 1.0
     assert autograph.stats(g)["replays"] >= 8, autograph.stats(g)
     assert autograph.stats(gf)["replays"] > 0
+    h = _HelperReads().to(device)  # a dataclass a helper function reads
+    gh = autograph.graphed(h)
+    with torch.no_grad():
+        for i in range(8):
+            if i == 5:
+                h.opts.scale = 3.0
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(gh(x), h.fc(x) * h.opts.scale)
+    assert autograph.stats(gh)["replays"] > 0
 
 
 def test_slotted_and_private_configs_are_seen():
     check_slotted_and_private_configs_are_seen()
+
+
+class _Schedule:
+    def __init__(self):
+        self.step = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.step += 1
+        return min(self.step / 5, 1.0)
 
 
 class _Stepping(nn.Module):
@@ -1340,6 +1372,8 @@ class _Stepping(nn.Module):
         self.state = holder
         self.counter = itertools.count()
         self.turns = itertools.cycle([1, -1, 2])
+        self.sched = _Schedule()  # an iterator of the user's class: by its attributes
+        self.hist = [0] * 300  # a large list changed in its middle
         self.lazy = types.SimpleNamespace(scale=None)
         self.log = types.SimpleNamespace(history=[0.0] * 300)  # a large list inside
 
@@ -1354,6 +1388,11 @@ class _Stepping(nn.Module):
             return y if next(self.counter) % 2 == 0 else -y
         if which == "cycle":
             return y * next(self.turns)
+        if which == "sched":
+            return y * next(self.sched)
+        if which == "middle":
+            self.hist[100] += 1
+            return y * self.hist[100]
         if which == "history":
             self.log.history.append(y.sum())
             return y - 1
@@ -1366,7 +1405,8 @@ class _Stepping(nn.Module):
 def check_objects_a_module_holds_changed_by_the_call(device="cpu"):
     """A call that changes an attribute of a plain object its module holds (a step
     counter on a ``SimpleNamespace`` or a slotted dataclass, an ``itertools.count`` or
-    ``cycle`` advanced, a tensor stored there, a large list appended to) runs eagerly
+    ``cycle``, a generator or an iterator of the user's class advanced, a tensor stored
+    there, a large list appended to or changed in its middle) runs eagerly
     (with ``warmup=0`` too: the capture's change is put back before the eager run): a
     replay would freeze the counter and leave the graph's own tensor there.  One set
     once (a lazy set-up) is graphed."""
@@ -1375,6 +1415,22 @@ def check_objects_a_module_holds_changed_by_the_call(device="cpu"):
         step: int = 0
         last: object = None
 
+    class Generating(nn.Module):  # a generator: its frame does not show where it is
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.gen = (v for v in [0.5] * 3 + [2.0] * 50)
+
+        def forward(self, x):
+            return self.fc(x) * next(self.gen)
+
+    m, ref = Generating().to(device), Generating().to(device)
+    ref.load_state_dict(m.state_dict())
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), ref(x))
     idle = threading.Event()  # another thread alive: an object is put back still
     other = threading.Thread(target=idle.wait, daemon=True)
     other.start()
@@ -1390,12 +1446,15 @@ def _objects_changed_by_the_call(device, Slotted):
                            (Slotted(), {}), (types.SimpleNamespace(step=0, last=None),
                                              {"warmup": 0})):
         m = _Stepping(holder).to(device)
-        ref = copy.deepcopy(m)
+        ref = _Stepping(copy.deepcopy(holder)).to(device)  # (a generator: no deepcopy)
+        ref.load_state_dict(m.state_dict())
         g = autograph.graphed(m, **warmup)  # (0: the capture's change put back)
         with torch.no_grad():
-            for which in ("step", "count", "cycle", "keep", "history", "plain"):
-                if warmup and which in ("count", "cycle"):
-                    continue  # an iterator the capture advanced is not put back
+            for which in ("step", "count", "cycle", "sched", "middle", "keep", "history",
+                          "plain"):
+                if warmup and which in ("count", "cycle", "middle"):
+                    continue  # an iterator the capture advanced is not put back, nor a
+                    # container's items other than tensors while other threads run
                 for _ in range(6):
                     x = torch.randn(2, 4, device=device)
                     torch.testing.assert_close(g(x, which), ref(x, which))
@@ -1444,6 +1503,32 @@ def check_a_traced_module_that_fails_under_a_mode_runs(device="cpu"):
             torch.testing.assert_close(model.bn.running_mean, twin.bn.running_mean)
             torch.testing.assert_close(model.count, twin.count)
     assert autograph.stats(g)["replays"] > 0, autograph.stats(g)
+
+
+class _WithScriptedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn, self.lin = nn.BatchNorm1d(4), torch.jit.script(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.lin(self.bn(x))
+
+
+def test_a_call_raising_in_a_module_with_torchscript_runs_once(standin):
+    """A call that raises a user's error (a bad shape) in a module holding TorchScript
+    runs once, as in eager mode (it ran again unrecorded: batch norm counted twice)."""
+    m, twin = _WithScriptedLinear(), _WithScriptedLinear()
+    g = autograph.graphed(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 4)
+            g(x)
+            twin(x)
+        for fn in (g, twin):
+            with pytest.raises(RuntimeError):
+                fn(torch.randn(3, 5))
+    assert int(m.bn.num_batches_tracked) == int(twin.bn.num_batches_tracked) == 5
+    torch.testing.assert_close(m.bn.running_mean, twin.bn.running_mean)
 
 
 def test_a_traced_module_that_fails_under_a_mode_runs(standin):

@@ -1003,7 +1003,8 @@ def check_transformers_collecting_hooks_are_inert_until_a_caller_collects(device
     hidden states: every later call ran eagerly (``hooks``).  They do nothing while
     no collector is active: calls replay, a call asking for hidden states gets eager's
     (its collector is its own), and a graphed layer called while its model collects
-    runs eagerly, so that the model's hidden states are complete."""
+    runs eagerly, so that the model's hidden states are complete (and replays while
+    the model collects nothing)."""
     model = _tiny("llama").to(device).model
     twin = copy.deepcopy(model)
     ids = torch.randint(0, 96, (1, 6), device=device)
@@ -1033,6 +1034,11 @@ def check_transformers_collecting_hooks_are_inert_until_a_caller_collects(device
                 torch.testing.assert_close(a, b)
         assert autograph.stats(layer)["replays"] == 0
         assert autograph.stats(layer)["eager_reasons"].get("hooks"), autograph.stats(layer)
+        for _ in range(5):  # the parent asks for nothing: its collector is empty
+            ids = torch.randint(0, 96, (1, 6), device=device)
+            got = model(ids, use_cache=False).last_hidden_state
+            torch.testing.assert_close(got, twin(ids, use_cache=False).last_hidden_state)
+        assert autograph.stats(layer)["replays"] >= 2, autograph.stats(layer)
 
 
 def test_transformers_collecting_hooks_are_inert_until_a_caller_collects(standin):

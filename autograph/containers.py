@@ -23,6 +23,7 @@ import collections.abc
 import copy
 import dataclasses
 import io
+import itertools
 import threading
 import types
 import warnings
@@ -258,11 +259,18 @@ def _hold(label: str, value: Any, out: Held, budget: list[int], seen: set[int]) 
         if isinstance(c, _HELD_TYPES):
             out.append((label, c, contents, copy.copy(c)))
             inner: Any = c.values() if isinstance(c, dict) else c
-        else:
-            attributes = {} if _iterator(c) else dict(_attributes(c))
-            out.append((label, c, contents, attributes))
-            inner = attributes.values()
-        stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
+            stack.extend(v for v in inner if isinstance(v, _HELD_TYPES))
+            continue
+        attributes = {} if _iterator(c) else dict(_attributes(c))
+        out.append((label, c, contents, attributes))
+        for v in attributes.values():
+            if isinstance(v, _HELD_TYPES) and len(v) > _LARGE and id(v) not in seen:
+                # an object's large container (a tokenizer's vocabulary): by its length
+                # and ends, no copy (an append is seen; a change in the middle is not)
+                seen.add(id(v))
+                out.append((label, v, _ends(v), _ENDS_ONLY))
+            elif isinstance(v, _HELD_TYPES):
+                stack.append(v)
 
 
 def named_by(named: Iterable[Named]) -> list[tuple[str, Any]]:
@@ -287,11 +295,26 @@ def held_change(before: Held) -> str | None:
     ``self.feats["a"]["last"] = y``), or None: a replay runs no Python, so it would not
     repeat the change, and a tensor the capture stored there would be the graph's,
     overwritten by every replay."""
-    for label, value, contents, _ in before:
-        if _contents(value) != contents:
+    for label, value, contents, saved in before:
+        if (_ends(value) if saved is _ENDS_ONLY else _contents(value)) != contents:
             what = MODULE_CONTAINER if isinstance(value, _HELD_TYPES) else MODULE_OBJECT
             return f"{what} ({label})"
     return None
+
+
+_ENDS_ONLY = object()  # what a large container inside an object saves: nothing
+
+
+def _ends(value: Any) -> tuple[Any, ...]:
+    """A large container's length and the items at its ends (a dict's last items, a
+    set's length only), read in constant time."""
+    if isinstance(value, dict):
+        last = itertools.islice(reversed(value.items()), 8)
+        return (len(value), *map(id, itertools.chain.from_iterable(last)))
+    if isinstance(value, (list, collections.deque)):
+        return (len(value), *map(id, itertools.islice(value, 8)),
+                *map(id, itertools.islice(reversed(value), 8)))
+    return (len(value),)
 
 
 def restore(before: Held) -> None:
@@ -303,6 +326,9 @@ def restore(before: Held) -> None:
     are all put back).  An iterator cannot be put back."""
     alone = threading.active_count() == 1
     for _, value, contents, saved in before:
+        if saved is _ENDS_ONLY:
+            _restore_appended(value, contents[0], alone)
+            continue
         if _contents(value) == contents:
             continue
         if isinstance(value, dict):
@@ -316,10 +342,10 @@ def restore(before: Held) -> None:
         elif not _iterator(value):  # an object's attributes: all (threads or not)
             now = _attributes(value)
             for k in [k for k in now if k not in saved]:
-                delattr(value, k)
+                _quietly(object.__delattr__, value, k)
             for k, v in saved.items():
-                if now.get(k, _GONE) is not v:
-                    setattr(value, k, v)
+                if now.get(k, _GONE) is not v:  # (past a frozen dataclass's __setattr__)
+                    _quietly(object.__setattr__, value, k, v)
 
 
 def _restore_dict(value: dict[Any, Any], saved: dict[Any, Any], alone: bool) -> None:
@@ -335,6 +361,15 @@ def _restore_dict(value: dict[Any, Any], saved: dict[Any, Any], alone: bool) -> 
             del value[k]
 
 
+def _restore_appended(value: Any, length: int, alone: bool) -> None:
+    """Take out what was appended to a large list or deque (of which no copy is kept)
+    past ``length`` (only tensors while other threads run)."""
+    if isinstance(value, (list, collections.deque)) and len(value) > length:
+        for i in reversed(range(length, len(value))):
+            if alone or isinstance(value[i], torch.Tensor):
+                del value[i]
+
+
 def _restore_sequence(value: Any, saved: Any, alone: bool) -> None:
     if alone:
         value.clear()
@@ -347,6 +382,13 @@ def _restore_sequence(value: Any, saved: Any, alone: bool) -> None:
 
 
 _GONE = object()
+
+
+def _quietly(put: Any, *args: Any) -> None:
+    try:
+        put(*args)
+    except Exception:  # noqa: BLE001 - a read-only attribute: the call runs eagerly anyway
+        pass
 
 
 def _contents(value: Any) -> tuple[Any, ...]:
@@ -386,4 +428,4 @@ def _where(value: Any, depth: int = 6) -> Any:
     return value if isinstance(value, _PLAIN) else id(value)
 
 
-_PLAIN = (int, float, str, bytes, bool, type(None), type)
+_PLAIN = (int, float, str, bytes, bool, type(None), type, range, slice)

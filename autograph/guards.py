@@ -478,7 +478,8 @@ class Watch:
         flags = self._training
         if flags is None:
             modules = [ref() for ref in self._modules]
-            flags = self._training = tuple(m.training for m in modules if m is not None)
+            flags = self._training = tuple(getattr(m, "training", False) for m in modules
+                                           if m is not None)  # (a frozen script: none)
         return flags
 
     def _on_assign(self, module: nn.Module, name: str, swap: bool = False,

@@ -198,8 +198,6 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             raise Uncapturable(EagerReason.RNG_SET, rng.SETS)
         tensors = _tensor_leaves(out)
         _check(watch, tensors, host, device, gens)
-        if torch.is_grad_enabled() and requires_grad(out):  # inside an object
-            raise Uncapturable(EagerReason.AUTOGRAD, OUTPUT_REQUIRES_GRAD)
         _check_objects(flat)
         _check_geometry(flat.leaves, flat.tensor_pos, shapes)
         if learn:
@@ -214,6 +212,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             # the call again; eager, unless it was a set-up made once
             raise AttributeSet(EagerReason.ASSIGNS, FLAGS_CHANGED)
         _check_held(held, restore=False)
+        _check_autograd(tensors, out)
         problem = None
     except Uncapturable as exc:
         # kept without its traceback: its frames (these locals hold the outputs, the
@@ -271,10 +270,16 @@ def _check(watch: Watch, outs: list[torch.Tensor], host: Any, device: torch.devi
         raise Uncapturable(EagerReason.ASSIGNS, watch.script_assigns)
     if host is not None and _host_random_state(device, gens) != host:
         raise Uncapturable(EagerReason.HOST_RANDOM)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in outs):
-        raise Uncapturable(EagerReason.AUTOGRAD, OUTPUT_REQUIRES_GRAD)
     if any(t.layout is not torch.strided or t.is_nested for t in outs):
         raise Uncapturable(EagerReason.OUTPUT, "a sparse or nested output")
+
+
+def _check_autograd(outs: list[torch.Tensor], out: Any) -> None:
+    """Raise where autograd records the call (an output requires grad or has a
+    history): last, since a call that autograd records is checked for all the rest
+    first (``training.warm`` takes this one for a training graph's)."""
+    if torch.is_grad_enabled() and (any(t.requires_grad for t in outs) or requires_grad(out)):
+        raise Uncapturable(EagerReason.AUTOGRAD, OUTPUT_REQUIRES_GRAD)
     if any(t.grad_fn is not None for t in outs):  # grad turned on inside, under no_grad
         raise Uncapturable(EagerReason.AUTOGRAD, "an output has autograd history (the call "
                            "enables grad inside)")

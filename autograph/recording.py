@@ -285,7 +285,8 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
         run = gate.trial(engine.cache, entry, run, engine.options.min_speedup, stats.name)
     entry.run = run
     stats.captures += 1
-    engine._fresh = 0  # a key met often enough to capture: keys repeat here
+    if entry.runs:  # a key met again (warmed up) and captured: keys repeat here
+        engine._fresh = 0
     stats.capture_seconds += seconds
     engine.cache.keep(entry, nbytes)
     if logger.isEnabledFor(logging.DEBUG):

@@ -46,7 +46,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     if problem is not None and problem.reason is EagerReason.AUTOGRAD:
         problem = None  # outputs that require grad: what a training graph is for
         try:
-            lifecycle._check_objects(flat)  # the check that warm stopped before
+            lifecycle._check_objects(flat)  # (checked before AUTOGRAD now; kept cheap)
         except Uncapturable as exc:
             problem = exc.with_traceback(None)  # kept: its frames would make a cycle
         if problem is None and inner:  # its own backward would run once, at capture

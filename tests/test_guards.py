@@ -1599,3 +1599,101 @@ def test_odd_objects_a_module_holds_raise_nothing():
                 x = torch.randn(2, 4)
                 torch.testing.assert_close(g(x), m.fc(x) * 2)
         assert autograph.stats(g)["replays"] > 0
+
+
+class _Vocab:
+    def __init__(self):
+        self.vocab = {f"t{i}": i for i in range(60_000)}  # a tokenizer's: large
+
+
+class _TrainsWithState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.turns = itertools.cycle([1.0, 0.5, 0.25])
+        self.tokenizer = _Vocab()
+        self.untouched = iter(range(1000))  # held, never advanced: no change
+        self.frozen = _FrozenMemo()
+
+    def forward(self, x, which):
+        if which == "cycle":
+            return self.fc(x) * next(self.turns)
+        if which == "memo":
+            object.__setattr__(self.frozen, "calls", self.frozen.calls + 1)
+        return self.fc(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenMemo:
+    calls: int = 0
+
+
+class _Logs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.history = []
+
+    def forward(self, x):
+        self.history.append(int(x.shape[0]))
+        return x * 2
+
+
+class _BigAndLogs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big, self.logs = _TrainsWithState(), _Logs()
+
+    def forward(self, x):
+        return self.logs(self.big(x, "plain"))
+
+
+def check_held_state_in_training_calls_and_big_objects(device="cpu"):
+    """Training calls (grad on) advancing an iterator a module holds run eagerly from
+    their learning warmup (the change was first seen at the capture, which cannot put
+    an iterator back: one step ahead for good); a large object in one module does not
+    hide another module's list (the budget ran out on a tokenizer's vocabulary); an
+    iterator held and never advanced replays; a frozen dataclass changed with
+    ``object.__setattr__`` at a capture is put back (it raised)."""
+    for warmup in (2, 0):
+        torch.manual_seed(0)
+        m, ref = _TrainsWithState().to(device), _TrainsWithState().to(device)
+        ref.load_state_dict(m.state_dict())
+        g = autograph.graphed(m, warmup=warmup)
+        for which in ("cycle", "plain", "memo"):
+            if warmup == 0 and which == "cycle":
+                continue  # (an iterator a capture advanced is not put back)
+            for _ in range(5):
+                x = torch.randn(2, 4, device=device)
+                a, b = g(x, which), ref(x, which)
+                torch.testing.assert_close(a, b)
+                a.sum().backward()
+                b.sum().backward()
+                torch.testing.assert_close(m.fc.weight.grad, ref.fc.weight.grad)
+                assert m.frozen.calls == ref.frozen.calls
+        assert autograph.stats(g)["replays"] > 0  # "plain": the untouched iterator
+        both = _BigAndLogs().to(device)
+        glog = autograph.graphed(both, warmup=warmup)
+        with torch.no_grad():
+            for _ in range(5):
+                glog(torch.randn(2, 4, device=device))
+        assert both.logs.history == [2] * 5, both.logs.history
+
+
+def test_held_state_in_training_calls_and_big_objects():
+    check_held_state_in_training_calls_and_big_objects()
+
+
+def test_frozen_scripted_modules_and_keys_never_repeating_under_warmup_0(standin):
+    """A ``torch.jit.freeze``d module has no ``training`` attribute (reading it raised);
+    with ``warmup=0`` every new key is captured at once, which is no sign that keys
+    repeat: such a callable still gives up."""
+    frozen = torch.jit.freeze(torch.jit.script(nn.Linear(4, 4).eval()))
+    g = autograph.graphed(frozen)
+    with torch.no_grad():
+        for _ in range(4):
+            g(torch.randn(2, 4))
+    f = autograph.graphed(lambda x: x * 2, warmup=0)
+    with torch.no_grad():
+        for n in range(1, 80):
+            f(torch.randn(n))
+    assert "given_up" in autograph.stats(f)["eager_reasons"], autograph.stats(f)

@@ -58,6 +58,7 @@ from ..test_guards import (
     check_argument_sharing_written_state,
     check_function_arguments_are_keyed_by_code_and_values,
     check_gradients_and_flags_of_arguments_are_seen,
+    check_held_state_in_training_calls_and_big_objects,
     check_lazy_modules_initialise_then_graph,
     check_named_tensors_given_other_memory_in_place_are_seen,
     check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
@@ -574,3 +575,7 @@ def test_an_exported_program_module_replays():
 
 def test_transformers_collecting_hooks_are_inert_until_a_caller_collects():
     check_transformers_collecting_hooks_are_inert_until_a_caller_collects("cuda")
+
+
+def test_held_state_in_training_calls_and_big_objects():
+    check_held_state_in_training_calls_and_big_objects("cuda")

@@ -205,7 +205,9 @@ MAX_HELD = 100_000  # items compared per call's modules (past it: the rest unche
 Held = list[tuple[str, Any, tuple[Any, ...], Any]]
 MODULE_CONTAINER = "a list, dict or set that a module holds or the code names"
 MODULE_OBJECT = "an attribute of an object that a module holds"
-_LARGE = 256  # an iterator's pickled state longer than this: compared by its ends
+# a container inside an object, or an iterator's pickled state, longer than this: by
+# its length and ends
+_LARGE = 256
 
 
 def held(modules: Iterable[nn.Module], named: Iterable[tuple[str, Any]] = ()) -> Held:

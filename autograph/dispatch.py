@@ -274,6 +274,10 @@ class Engine:
             self._given_up_kinds.add(argument_kinds(args, kwargs))
         return entry
 
+    def keys_repeat(self) -> None:
+        """A key came back (a capture after warmups): no reason to give up yet."""
+        self._fresh = 0
+
     def give_up_all(self, why: str) -> None:
         """Stop warming up and capturing: every later call runs eagerly at once."""
         self.given_up = why

@@ -286,7 +286,7 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
     entry.run = run
     stats.captures += 1
     if entry.runs:  # a key met again (warmed up) and captured: keys repeat here
-        engine._fresh = 0
+        engine.keys_repeat()
     stats.capture_seconds += seconds
     engine.cache.keep(entry, nbytes)
     if logger.isEnabledFor(logging.DEBUG):

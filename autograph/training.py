@@ -44,12 +44,10 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     warmed = lifecycle.warm(call, flat, backend, device, watch, learn=learn, timed=timed)
     problem = warmed.problem
     if problem is not None and problem.reason is EagerReason.AUTOGRAD:
-        problem = None  # outputs that require grad: what a training graph is for
-        try:
-            lifecycle._check_objects(flat)  # (checked before AUTOGRAD now; kept cheap)
-        except Uncapturable as exc:
-            problem = exc.with_traceback(None)  # kept: its frames would make a cycle
-        if problem is None and inner:  # its own backward would run once, at capture
+        # outputs that require grad: what a training graph is for (``lifecycle.warm``
+        # checks everything else before this one)
+        problem = None
+        if inner:  # its own backward would run once, at capture
             problem = Uncapturable(UNSUPPORTED, "the call runs a backward inside and "
                                    "returns a tensor that requires grad")
     if problem is None and inner and flat.requires_grad():

@@ -12,6 +12,8 @@ or an equal scalar of the same type).  ``guards.Watch`` compares them per call.
 
 from __future__ import annotations
 
+import collections
+import copy
 import dataclasses
 import dis
 import enum
@@ -620,3 +622,40 @@ def config_dicts(modules: Iterable[nn.Module]) -> list[Mapping[str, Any]]:
                 if d:
                     found.setdefault(id(value), d)
     return list(found.values())
+
+
+# what ``nn.Module.__init__`` sets: its own bookkeeping, not state a forward reads
+_MODULE_OWN = frozenset(vars(nn.Module()))
+_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.deque)
+MAX_VALUES = 256  # items per container compared per call; a larger one is left out
+
+
+def held_values(modules: Iterable[nn.Module]) -> tuple[list[Any], list[Any]]:
+    """The lists, dicts, sets and deques of plain values (numbers, strings, dtypes and
+    such containers of them) that the modules hold as attributes, and a deep copy of
+    each: PEFT's ``merged_adapters`` and ``scaling``, an ``active`` list.  A graph
+    replays the branches taken on them, and changing one in place
+    (``merged_adapters.append``) sets no attribute, so ``guards.Watch`` compares the
+    two lists on every call (one C-level ``==``; item identity first, so a NaN is
+    equal to itself).  Containers of tensors, modules or other objects are not."""
+    found: dict[int, Any] = {}
+    for m in modules:
+        for name, value in vars(m).items():
+            if type(value) in _CONTAINERS and name not in _MODULE_OWN \
+                    and _plain_values(value, [MAX_VALUES], 0):
+                found.setdefault(id(value), value)
+    live = list(found.values())
+    return live, copy.deepcopy(live)
+
+
+def _plain_values(value: Any, budget: list[int], depth: int) -> bool:
+    """Whether ``value`` holds plain values only (within ``budget`` items, 4 deep)."""
+    if isinstance(value, _PLAIN):
+        return True
+    if depth > 3 or not isinstance(value, (*_CONTAINERS, tuple, frozenset)):
+        return False
+    budget[0] -= len(value)
+    if budget[0] < 0:
+        return False
+    items = itertools.chain.from_iterable(value.items()) if isinstance(value, dict) else value
+    return all(_plain_values(v, budget, depth + 1) for v in items)

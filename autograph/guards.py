@@ -27,7 +27,9 @@ were taken while it was captured.  A :class:`Watch` guards one graphed callable:
 
 * Plain configuration objects held by the watched modules (the object at a module's
   ``config`` attribute, dataclass instances) are compared with a shallow copy on every
-  call (``coderefs.config_dicts``).
+  call (``coderefs.config_dicts``), and so are the lists, dicts and sets of plain
+  values they hold (PEFT's ``merged_adapters``, a ``scaling`` dict: changed in place,
+  they set no attribute; ``coderefs.held_values``).
 
 What cannot be seen: state reached through other objects (``self.helper.scale``;
 nested values inside a configuration object), globals read by helper functions,
@@ -54,6 +56,7 @@ from .coderefs import (
     code_refs,
     config_dicts,
     forward_refs,
+    held_values,
     new_refs,
     owner_refs,
     same,
@@ -137,6 +140,8 @@ class Watch:
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._named_ptrs: list[tuple[torch.Tensor, int]] = []
         self._configs: list[tuple[Mapping[str, Any], dict[str, Any]]] = []  # (live, copy)
+        self._values: list[Any] = []  # plain containers the modules hold, and copies
+        self._value_copies: list[Any] = []
         self._owned = 0
         self._ids: list[int] = []
         self._hidden: list[tuple[Any, int, int | None]] = []
@@ -181,6 +186,7 @@ class Watch:
         # same object at another address, which a graph does not follow
         self._named_ptrs = [(v, v.data_ptr()) for _, v in refs if isinstance(v, torch.Tensor)]
         self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
+        self._values, self._value_copies = held_values(modules.values())
         self._ptrs = self._current_ptrs()
         self._idents = list(map(id, map(_getitem, holders, names)))
         self._all = list(range(len(self._ptrs)))
@@ -227,9 +233,19 @@ class Watch:
                 return False
         if self._configs and not self._configs_same():
             return False
+        if self._values and not self._values_same():
+            return False
         if self.steps.active and not self.steps.ok():
             return False
         return not self._hidden or self._hidden_same()
+
+    def _values_same(self) -> bool:
+        """Whether the plain containers the modules hold (``held_values``) still hold
+        what they held; a comparison that raises (a tensor put in) counts as a change."""
+        try:
+            return bool(self._values == self._value_copies)
+        except Exception:  # noqa: BLE001
+            return False
 
     def _configs_same(self) -> bool:
         """Whether each configuration object still holds what it held (``config_dicts``;

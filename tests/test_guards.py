@@ -1699,3 +1699,63 @@ def test_frozen_scripted_modules_and_keys_never_repeating_under_warmup_0(standin
         for n in range(1, 80):
             f(torch.randn(n))
     assert "given_up" in autograph.stats(f)["eager_reasons"], autograph.stats(f)
+
+
+class _Adapted(nn.Module):
+    """A LoRA layer as PEFT writes it: the adapters merged into the base weight are
+    listed in ``merged_adapters`` (``merge()`` appends, in place), per-adapter scales
+    sit in a dict (``set_scale`` writes one in place), the active ones in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.lora_a, self.lora_b = nn.Linear(4, 2, bias=False), nn.Linear(2, 4, bias=False)
+        self.merged_adapters: list[str] = []
+        self.scaling = {"default": 1.0}
+        self.active = ["default"]
+        self.nested = {"ranks": [2]}
+
+    def delta(self):
+        return self.lora_b.weight @ self.lora_a.weight * self.scaling["default"]
+
+    def forward(self, x):
+        y = self.base(x)
+        if self.merged_adapters or not self.active:
+            return y
+        return y + self.lora_b(self.lora_a(x)) * self.scaling["default"] * self.nested["ranks"][0]
+
+
+def check_containers_a_module_holds_changed_in_place_between_calls(device="cpu"):
+    """Merging an adapter (``merged_adapters.append`` next to an in-place weight
+    update), a scale set in a dict, an active list emptied and a nested list changed,
+    each in place between calls, give eager's results (the graphs replayed the adapter
+    path twice, or the old scale); the graphs come back after each change."""
+    m = _Adapted().to(device)
+    twin, g = copy.deepcopy(m), autograph.graphed(m)
+
+    def merge(mod):
+        mod.base.weight += mod.delta()
+        mod.merged_adapters.append("default")
+
+    def unmerge(mod):
+        mod.base.weight -= mod.delta()
+        mod.merged_adapters.pop()
+
+    changes = {5: merge, 10: unmerge, 15: lambda mod: mod.scaling.update(default=0.5),
+               20: lambda mod: mod.nested["ranks"].__setitem__(0, 4),
+               25: lambda mod: mod.active.clear()}
+    replays = []
+    with torch.no_grad():
+        for i in range(30):
+            if i in changes:
+                changes[i](m)
+                changes[i](twin)
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+            replays.append(autograph.stats(g)["replays"])
+    for i in (9, 14, 19, 24, 29):  # each change's graphs replayed before the next
+        assert replays[i] - replays[i - 3] >= 2, replays
+
+
+def test_containers_a_module_holds_changed_in_place_between_calls(standin):
+    check_containers_a_module_holds_changed_in_place_between_calls()

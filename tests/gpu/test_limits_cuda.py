@@ -56,6 +56,7 @@ from ..test_guards import (
     check_an_optimizer_step_reads_the_gradients_it_is_given,
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
+    check_containers_a_module_holds_changed_in_place_between_calls,
     check_function_arguments_are_keyed_by_code_and_values,
     check_gradients_and_flags_of_arguments_are_seen,
     check_held_state_in_training_calls_and_big_objects,
@@ -579,3 +580,7 @@ def test_transformers_collecting_hooks_are_inert_until_a_caller_collects():
 
 def test_held_state_in_training_calls_and_big_objects():
     check_held_state_in_training_calls_and_big_objects("cuda")
+
+
+def test_containers_a_module_holds_changed_in_place_between_calls():
+    check_containers_a_module_holds_changed_in_place_between_calls("cuda")

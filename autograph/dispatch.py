@@ -129,6 +129,9 @@ class Engine:
                         self._fresh = 0
                         return out
                     break
+            # the graphs these hold may be dropped below: they must not outlive that
+            # (a training graph's autograd nodes would be linked into the eager call's)
+            known = short = None  # type: ignore[assignment]
         return self.dispatch(args, kwargs)
 
     def dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -1990,3 +1990,43 @@ def check_a_detached_alias_returned_first_keeps_the_gradient(device="cpu"):
 
 def test_a_detached_alias_returned_first_keeps_the_gradient(standin):
     check_a_detached_alias_returned_first_keeps_the_gradient()
+
+
+class _Rank(nn.Module):
+    """A LoRA pair whose rank a user changes through ``.data`` (same parameters, new
+    shapes), as rank-adaptive training does."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(2, 6))
+        self.b = nn.Parameter(torch.randn(3, 2))
+
+    def forward(self, x):
+        return x @ self.a.T @ self.b.T
+
+
+def check_parameters_given_new_shapes_through_data_keep_training(device: str = "cpu") -> None:
+    """Parameters given new shapes through ``.data`` after training graphs exist: the
+    next backward raised (the dropped graph, still referenced by the call that dropped
+    it, kept the parameters' old gradient accumulators, of the old shapes, alive)."""
+    torch.manual_seed(0)
+    eager = _Rank().to(device)
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    for step in range(10):
+        if step == 5:
+            new_a, new_b = torch.randn(4, 6, device=device), torch.randn(3, 4, device=device)
+            for m in (eager, mine):
+                m.a.data, m.b.data = new_a.clone(), new_b.clone()
+        x = torch.randn(2, 6, device=device)
+        for m, f in ((eager, eager), (mine, g)):
+            m.zero_grad(set_to_none=True)
+            f(x).sum().backward()
+        for a, b in zip(eager.parameters(), mine.parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 and s["backward_replays"] >= 2 and s["invalidations"] == 1, s
+
+
+def test_parameters_given_new_shapes_through_data_keep_training():
+    check_parameters_given_new_shapes_through_data_keep_training()

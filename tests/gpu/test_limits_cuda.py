@@ -24,6 +24,7 @@ from ..test_backward import (
     check_objects_made_by_a_training_call_take_gradients,
     check_output_saved_for_backward_written_in_place_raises,
     check_parameter_hooks_run_once,
+    check_parameters_given_new_shapes_through_data_keep_training,
     check_parameters_swapped_for_new_objects_at_the_same_address,
     check_saved_tensor_hooks_run_eagerly,
     check_saved_tensors_with_internal_overlap_are_spilled,
@@ -584,3 +585,7 @@ def test_held_state_in_training_calls_and_big_objects():
 
 def test_containers_a_module_holds_changed_in_place_between_calls():
     check_containers_a_module_holds_changed_in_place_between_calls("cuda")
+
+
+def test_parameters_given_new_shapes_through_data_keep_training():
+    check_parameters_given_new_shapes_through_data_keep_training("cuda")

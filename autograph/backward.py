@@ -267,6 +267,8 @@ class Trained(replay.Captured):
                 return self._hold()
             if self.want_backward is not None:  # by a backward run eagerly (_backward)
                 gradgraph.capture_next(self)
+                if self.unsupported:
+                    return self._hold()
             inputs = [leaves[i] for i in sources] + inputs_state if sources \
                 else inputs_state
             flat_box: list[list[Any]] = []

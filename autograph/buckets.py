@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from . import padcheck, padslots, routes
 from . import switch as _switch
 from .arguments import Arguments, Key
-from .dispatch import Engine, _compiling, _functorch_active
+from .dispatch import Engine, _compiling, _functorch_active, _tracing
 from .keys import leaf_key
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .options import Options
@@ -103,7 +103,7 @@ class Bucketer:
 
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         engine = self.engine
-        if _compiling():  # traced by torch.compile: the original, as Engine does
+        if _compiling() or _tracing() is not None:  # traced: the original, as Engine does
             return engine.fn(*args, **kwargs)
         self.stats.calls += 1
         if kwargs and engine.positional is not None:  # one spelling: by position

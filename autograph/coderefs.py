@@ -159,6 +159,15 @@ def _partial_refs(fn: functools.partial[Any]) -> list[tuple[Callable[[], Any], A
     return out
 
 
+def _held_modules(value: Any) -> list[nn.Module]:
+    """The modules a plain tuple, list or dict holds as items (an ensemble), or none:
+    each is watched as a root (``eval()``, an attribute, a hook on a member)."""
+    if type(value) not in (tuple, list, dict) or not value:
+        return []
+    items = value.values() if isinstance(value, dict) else value
+    return [v for v in items if isinstance(v, nn.Module)]
+
+
 def _fixed(value: Any) -> tuple[Callable[[], Any], Any]:
     """A reference that never changes (a module held by a partial or a default): the
     watch takes its modules as roots."""
@@ -180,6 +189,10 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
         value = glb.get(name, MISSING)
         if name in stores or _trackable(value) or _function(value):
             out.append((_global_getter(glb, name), value))
+        elif _held_modules(value):  # an ensemble in a tuple or list: watched as roots
+            out += [_fixed(m) for m in _held_modules(value)]
+            if isinstance(value, tuple):  # (rebinding the name is seen; a list's items not)
+                out.append((_global_getter(glb, name), value))
         elif isinstance(value, type) and _user_class(value):
             if attributes is None:
                 attributes = _code_names(code)
@@ -198,6 +211,8 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             continue
         if _trackable(value) or _function(value):
             out.append((_cell_getter(cell), value))
+        elif _held_modules(value):
+            out += [_fixed(m) for m in _held_modules(value)]
         elif _namespace(value):
             reads = _attribute_loads(code)
             out.append((_cell_getter(cell), value))
@@ -379,6 +394,7 @@ def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any]
         return []
     names = _attribute_names(type(obj), codes)
     out = [(_global_getter(d, n), d[n]) for n in sorted(names) if n in d and _trackable(d[n])]
+    out += [_fixed(m) for n in sorted(names) if n in d for m in _held_modules(d[n])]
     if _user_class(type(obj)):
         out += _class_values(type(obj), {n for n in names if n not in d})
     out.append((d.__len__, len(d)))
@@ -630,22 +646,41 @@ _CONTAINERS = (list, dict, set, collections.OrderedDict, collections.deque)
 MAX_VALUES = 256  # items per container compared per call; a larger one is left out
 
 
-def held_values(modules: Iterable[nn.Module]) -> tuple[list[Any], list[Any]]:
+def held_values(modules: Iterable[nn.Module], code: Any = None
+                ) -> tuple[list[Any], list[Any]]:
     """The lists, dicts, sets and deques of plain values (numbers, strings, dtypes and
-    such containers of them) that the modules hold as attributes, and a deep copy of
-    each: PEFT's ``merged_adapters`` and ``scaling``, an ``active`` list.  A graph
-    replays the branches taken on them, and changing one in place
-    (``merged_adapters.append``) sets no attribute, so ``guards.Watch`` compares the
-    two lists on every call (one C-level ``==``; item identity first, so a NaN is
-    equal to itself).  Containers of tensors, modules or other objects are not."""
+    such containers of them) that the modules of the user's classes hold as attributes
+    under a name their ``forward`` (the methods and properties it names, transitively)
+    or ``code`` uses, and a deep copy of each: PEFT's ``merged_adapters`` (read by its
+    ``merged`` property) and ``scaling``, an ``active`` list.  A graph replays the
+    branches taken on them, and changing one in place (``merged_adapters.append``) sets
+    no attribute, so ``guards.Watch`` compares the two lists on every call (one C-level
+    ``==``; item identity first, so a NaN is equal to itself).  A list no such code
+    names (a loss history the training loop appends to) is not compared, nor
+    containers of tensors, modules or other objects."""
+    extra = frozenset(_attribute_names(object, _codes_of(code))) if code is not None \
+        else frozenset()
     found: dict[int, Any] = {}
     for m in modules:
+        names = _forward_names(type(m)) | extra  # type: ignore[arg-type]
+        if not names:
+            continue
         for name, value in vars(m).items():
-            if type(value) in _CONTAINERS and name not in _MODULE_OWN \
+            if type(value) in _CONTAINERS and name in names and name not in _MODULE_OWN \
                     and _plain_values(value, [MAX_VALUES], 0):
                 found.setdefault(id(value), value)
     live = list(found.values())
     return live, copy.deepcopy(live)
+
+
+@functools.lru_cache(maxsize=1024)
+def _forward_names(cls: Any) -> frozenset[str]:
+    """The names the ``forward`` of a class of the user's uses, with those of the
+    methods and properties it names (:func:`_attribute_names`); none for torch's."""
+    if not _user_class(cls):
+        return frozenset()
+    return frozenset(_attribute_names(cls, _codes_of(inspect.getattr_static(cls, "forward",
+                                                                              None))))
 
 
 def _plain_values(value: Any, budget: list[int], depth: int) -> bool:

@@ -43,6 +43,11 @@ _HELD = replay.HELD
 _MISS = shortcut.MISS
 # True while torch.compile traces (Dynamo evaluates it so); False when code runs
 _compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", lambda: False)
+_saved_hooks_enabled: Callable[[], bool] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_is_enabled", lambda: True)
+# ``torch.jit.trace`` under way (its tracing state, else None): a trace must record the
+# original's operators, not a replay of buffers it would keep as constants
+_tracing: Callable[[], Any] = getattr(torch._C, "_get_tracing_state", lambda: None)
 _functorch_active = shortcut._functorch_active
 
 # When a callable stops trying: this many new keys (or ``max_graphs`` if more) in a row
@@ -113,9 +118,9 @@ class Engine:
 
     # -- the call ----------------------------------------------------------------------
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """One call of the graphed callable, counted; traced by ``torch.compile``, the
-        original (compiled with its caller, not counted)."""
-        if _compiling():
+        """One call of the graphed callable, counted; traced by ``torch.compile`` or
+        ``torch.jit.trace``, the original (traced with its caller, not counted)."""
+        if _compiling() or _tracing() is not None:
             return self.fn(*args, **kwargs)
         self.stats.calls += 1
         if kwargs and self.positional is not None:  # one spelling: by position
@@ -248,6 +253,8 @@ class Engine:
                 raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.INFERENCE_ARGUMENT)
             if saved_hooks():
                 raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.SAVED_HOOKS)
+            if not _saved_hooks_enabled():
+                raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, vocab.HOOKS_DISABLED)
         cache = self.cache
         if cache.state_bases and flat.tensor_pos:  # an argument sharing written state
             key = with_sharing(key, flat, cache.state_bases)

@@ -30,7 +30,7 @@ import torch
 
 from . import lifecycle
 from .buffers import _foreach_copy
-from .vocab import logger
+from .vocab import EagerReason, logger
 
 use_count = getattr(torch._C, "_storage_Use_Count", None)
 _lt = int.__lt__
@@ -201,11 +201,20 @@ class Backwards:
         return self.graph is None or self.spare_due is not None
 
 
+# A captured autograd graph that may be backpropagated once only: selective activation
+# checkpointing's regions raise at a second backward, retain_graph or not
+_ONCE = ("backward an extra time", "backward through the graph a second time")
+ONCE = "the forward's autograd graph may be backpropagated once only (selective " \
+       "activation checkpointing)"
+
+
 def capture_next(trained: Any) -> None:
     """Capture the backward graph a training graph's (``backward.Trained``) last
     backward asked for (``want_backward``: its set of used outputs).  Forward calls do
     not look for held gradients themselves: that would cost every call a use-count
     pass."""
+    if torch.is_anomaly_enabled():  # its checks read values on the host: a later call
+        return
     with lifecycle.capture_turn(wait=0) as turn:
         if not turn:  # another thread is capturing (it may wait on this one): next call
             return
@@ -222,6 +231,9 @@ def capture_next(trained: Any) -> None:
                                 handout=first)
         except lifecycle.CAPTURE_ERRORS as exc:
             trained.capture_failed = True  # never again into this pool (see Trained)
+            if any(s in str(exc) for s in _ONCE):  # later backwards would raise: eager
+                trained.unsupported = (EagerReason.BACKWARD_UNSUPPORTED, ONCE)
+                return
             name = trained.stats.name if trained.stats is not None else "autograph"
             logger.warning("%s: the backward graph could not be captured (%s): "
                            "backwards run the captured forward's autograd graph "

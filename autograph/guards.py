@@ -40,6 +40,7 @@ callable's graphs by hand.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import threading
 import weakref
@@ -152,6 +153,11 @@ class Watch:
         self._modules: list[Any] = []  # weak references to the watched modules
         self._training: tuple[bool, ...] | None = None
         self.training_changes = 0  # assignments of a watched module's training flag
+        # flags set between calls that select graphs, as ``training`` does (_keys_flag):
+        # (module, attribute name), kept across refreshes
+        self._flags: list[tuple[Callable[[], Any], str]] = []
+        # per flag, the values it took; None once it took more than MAX_FLAG_VALUES
+        self._flag_values: dict[tuple[int, str], set[Any] | None] = {}
         self.__weakref__: Any
 
     # -- building -----------------------------------------------------------------
@@ -186,7 +192,7 @@ class Watch:
         # same object at another address, which a graph does not follow
         self._named_ptrs = [(v, v.data_ptr()) for _, v in refs if isinstance(v, torch.Tensor)]
         self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
-        self._values, self._value_copies = held_values(modules.values())
+        self._values, self._value_copies = held_values(modules.values(), self._code)
         self._ptrs = self._current_ptrs()
         self._idents = list(map(id, map(_getitem, holders, names)))
         self._all = list(range(len(self._ptrs)))
@@ -419,7 +425,7 @@ class Watch:
         the user's code (an instance method's function rather than the engine's
         closure) and object, and the watched modules' forwards."""
         owner = self._owner() if self._owner is not None else None
-        code = self._code if self._code is not None else fn
+        code = self._code if self._code is not None else _unwrapped(fn)
         return reach(code, self.every_module(), owner)
 
     def host_generators(self, reached: Reach, arguments: Any) -> tuple[Any, ...]:
@@ -494,12 +500,15 @@ class Watch:
         flags = self._training
         if flags is None:
             modules = [ref() for ref in self._modules]
-            flags = self._training = tuple(getattr(m, "training", False) for m in modules
-                                           if m is not None)  # (a frozen script: none)
+            flags = tuple(getattr(m, "training", False) for m in modules
+                          if m is not None)  # (a frozen script: none)
+            if self._flags:
+                flags += tuple(_flag_value(ref(), name) for ref, name in self._flags)
+            self._training = flags
         return flags
 
     def _on_assign(self, module: nn.Module, name: str, swap: bool = False,
-                   was: Any = notify.MISSING) -> None:
+                   was: Any = notify.MISSING, value: Any = notify.MISSING) -> None:
         if name == "training":
             self._training = None  # read again at the next call: it is in the key
             self.training_changes += 1  # (a capture under way compares it)
@@ -508,9 +517,55 @@ class Watch:
             self.assigned = self.assigned or f"{type(module).__name__}.{name}"
             if not any(m is module and n == name for m, n, _ in self.assignments):
                 self.assignments.append((module, name, was))
-        else:
+        elif not self._keys_flag(module, name, was, value):
             self.dirty = True
             self.altered = self.altered or not swap
+
+    def _keys_flag(self, module: nn.Module, name: str, was: Any, value: Any) -> bool:
+        """Whether the assignment of a flag between calls (a bool, a string or None,
+        set over another such value: PEFT's ``disable_adapter()``, a mode name) selects
+        graphs as ``train()``/``eval()`` do, its value part of the key from now on,
+        instead of dropping the graphs at every switch.  Its first switch drops them
+        once (their keys do not carry it); one that takes more than
+        :data:`MAX_FLAG_VALUES` values (a request id) drops them at every new value
+        again, as other attributes do, rather than keep a graph per value."""
+        if type(value) not in _FLAG_TYPES or type(was) not in _FLAG_TYPES:
+            return False
+        where = (id(module), name)
+        values = self._flag_values.get(where, set())
+        if values is None:  # too many values: not a flag
+            return False
+        self._training = None
+        self.training_changes += 1
+        if where not in self._flag_values:
+            self._flag_values[where] = {was, value}
+            self._flags.append((weakref.ref(module), name))
+            self.dirty = self.altered = True
+            return True
+        values.add(value)
+        if len(values) > MAX_FLAG_VALUES:
+            self._flag_values[where] = None
+            self._flags = [(r, n) for r, n in self._flags if (id(r()), n) != where]
+            return False
+        return True
+
+
+def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The callable under autograph's own wrappers of a call (a training capture's,
+    a training warmup's), which name autograph's state, not the user's."""
+    try:
+        return inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        return fn
+
+
+_FLAG_TYPES = frozenset({bool, str, type(None)})
+MAX_FLAG_VALUES = 8  # values of a flag keyed; past them it drops the graphs per value
+_ABSENT = "<autograph: no such attribute>"  # a flag deleted, or its module gone
+
+
+def _flag_value(module: nn.Module | None, name: str) -> Any:
+    return getattr(module, name, _ABSENT) if module is not None else _ABSENT
 
 
 def running_stack() -> list[Watch]:

@@ -35,7 +35,7 @@ from .capture import Backend, OnPool
 from .flat import Flat
 from .footprint import Footprint
 from .guards import Watch, running
-from .modes import modes
+from .modes import _any_autocast, modes
 from .mutation import WriteRecorder, storage_ptr, watch_map
 from .replay import Bumps, Captured, use_count
 from .returned import opened
@@ -710,10 +710,15 @@ def call_scope(watch: Watch) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _no_autocast_cache() -> Iterator[None]:
-    """No autocast cache during a capture: a weight cast cached by an earlier eager call
-    would be read by the graph from memory the cache frees when its autocast block ends;
-    uncached, the cast is captured and redone on every replay."""
+    """No autocast cache during a capture under autocast: a weight cast cached by an
+    earlier eager call would be read by the graph from memory the cache frees when its
+    autocast block ends; uncached, the cast is captured and redone on every replay.
+    Outside autocast the cache holds nothing and is left alone: a ``torch.compile``'d
+    submodule guards on the setting, and would compile again for a warmup."""
     enabled = torch.is_autocast_cache_enabled()
+    if not enabled or not _any_autocast():
+        yield
+        return
     torch.set_autocast_cache_enabled(False)
     try:
         yield

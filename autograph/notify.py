@@ -172,7 +172,7 @@ def _notify(module: nn.Module, name: str, value: Any = _MISSING, changed: bool =
         swap = value is not _MISSING and _swap(module, name, value)
         was = CHANGED if changed else current(module, name)
         for watch in list(ws):
-            watch._on_assign(module, name, swap, was)
+            watch._on_assign(module, name, swap, was, value)
 
 
 def install() -> None:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
+from .dispatch import _compiling
 from .engines import Handle, make_module_engine
 from .options import Options
 from .stats import Stats, observing
@@ -310,7 +311,8 @@ def nested(fn: Callable[..., Any]) -> Callable[..., Any]:
     ``autograph.graphed(module)``, which graphs its module itself)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not _regions.get() and not _routes.get():
+        # (torch.compile traces this on its way to the original: no context variables)
+        if _compiling() or (not _regions.get() and not _routes.get()):
             return fn(*args, **kwargs)
         _local.depth = _depth() + 1
         try:

@@ -164,6 +164,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                 spill.setdefault((d.data_ptr(), d.dtype, d.shape, d.stride()), d)
         return d
 
+    @functools.wraps(fn)  # (``__wrapped__``: what the watch reads for the user's code)
     def forward(*args: Any, **kwargs: Any) -> Any:
         static = list(args) + list(kwargs.values()) if flat.spec is None else \
             pytree.tree_leaves((args, kwargs))
@@ -247,8 +248,12 @@ def _check_outputs(out: Any, base: replay.Captured, leaves: Any, watch: Watch) -
     own = {id(t) for t in watch.tensors()} | {id(b) for b in base.static.buffers}
     own.update(id(t) for t in leaves if isinstance(t, torch.Tensor))
     for t in opened(pytree.tree_leaves(out)):
-        if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in pooled \
-                and id(t) not in own:
+        if not isinstance(t, torch.Tensor) or not t.requires_grad or id(t) in own:
+            continue
+        if t.is_leaf:  # ``torch.zeros(..., requires_grad=True)``: eager's is a leaf
+            raise Uncapturable(UNSUPPORTED, "an output is a tensor requiring grad that "
+                               "the call made (a leaf, whose .grad a replay cannot fill)")
+        if id(t) not in pooled:
             raise Uncapturable(UNSUPPORTED, "an output that requires grad is a view of "
                                "an argument or parameter")
 

@@ -136,6 +136,8 @@ class Uncapturable(Exception):
 IN_TRANSFORM = ("called inside a torch.func transform (vmap, grad, jacrev, functionalize) "
                 "or a forward-mode AD level (dual_level)")
 INFERENCE_ARGUMENT = "an argument is an inference tensor (made under torch.inference_mode)"
+HOOKS_DISABLED = ("saved-tensor hooks are disabled (disable_saved_tensors_hooks): a "
+                  "training graph's capture saves its tensors through one")
 SAVED_HOOKS = ("saved-tensor hooks are active (torch.autograd.graph.saved_tensors_hooks, "
                "save_on_cpu): a graph would save its tensors without them")
 

@@ -8,6 +8,7 @@ overwritten saved state differs from eager's and fails these tests.
 
 import contextlib
 import copy
+import functools
 import gc
 import weakref
 
@@ -2030,3 +2031,144 @@ def check_parameters_given_new_shapes_through_data_keep_training(device: str = "
 
 def test_parameters_given_new_shapes_through_data_keep_training():
     check_parameters_given_new_shapes_through_data_keep_training()
+
+
+def _must_save_mm(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Selective(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6))
+
+    def inner(self, t):
+        return torch.sigmoid(torch.mm(t, self.w)) * t
+
+    def forward(self, x):
+        import functools
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        return checkpoint(self.inner, x, use_reentrant=False, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, _must_save_mm))
+
+
+def check_selective_activation_checkpointing_trains(device: str = "cpu") -> None:
+    """Selective activation checkpointing inside a graphed training module: its region
+    may be backpropagated once, and the backward graph's capture is a second backward
+    of the captured forward, so every backward after it raised ("backward an extra
+    time").  The key runs eagerly from then on, with a reason; gradients equal eager's."""
+    torch.manual_seed(0)
+    eager = _Selective().to(device)
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    for _ in range(6):
+        x = torch.randn(5, 6, device=device)
+        for m, f in ((eager, eager), (mine, g)):
+            m.zero_grad()
+            f(x).sum().backward()
+        torch.testing.assert_close(mine.w.grad, eager.w.grad)
+    s = autograph.stats(g)
+    assert s["captures"] == 1 and s["eager_reasons"].get("backward_unsupported", 0) >= 2, s
+
+
+def test_selective_activation_checkpointing_trains():
+    check_selective_activation_checkpointing_trains()
+
+
+def check_a_scripted_module_graphed_for_training_replays(device: str = "cpu") -> None:
+    """A ``torch.jit.script``ed (or traced) module graphed as a whole for training
+    never captured: its class has no forward to read, so the watch read autograph's
+    own capture wrapper as the user's code, and took its bookkeeping for a change the
+    call makes (``assigns_attribute``).  Gradients equal eager's."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+    for make in (torch.jit.script, lambda m: torch.jit.trace(m, torch.randn(3, 4, device=device))):
+        mine = make(copy.deepcopy(eager))
+        g = autograph.graphed(mine)
+        for _ in range(6):
+            x = torch.randn(3, 4, device=device)
+            for m, f in ((eager, eager), (mine, g)):
+                m.zero_grad()
+                f(x).sum().backward()
+            for a, b in zip(eager.parameters(), mine.parameters()):
+                torch.testing.assert_close(b.grad, a.grad)
+        s = autograph.stats(g)
+        assert s["replays"] >= 2 and s["backward_replays"] >= 1, s
+
+
+def test_a_scripted_module_graphed_for_training_replays():
+    check_a_scripted_module_graphed_for_training_replays()
+
+
+def check_anomaly_mode_and_disabled_saved_tensor_hooks_pass(device: str = "cpu") -> None:
+    """Anomaly detection on for the first steps only: the backward graph, due while it
+    was on, failed its capture (the checks read values on the host) and backwards
+    stayed eager for good; it is captured once anomaly mode is off.  A training call
+    under ``disable_saved_tensors_hooks`` at the capture's turn failed the capture
+    (which saves through a hook) and the key stayed eager for good; that call runs
+    eagerly, later ones capture.  Gradients equal eager's throughout."""
+    import warnings
+
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 2).to(device)
+    for case in ("anomaly", "hooks disabled"):
+        mine = copy.deepcopy(eager)
+        g = autograph.graphed(mine)
+        for step in range(10):
+            x = torch.randn(5, 4, device=device)
+            if case == "anomaly":
+                ctx = functools.partial(torch.autograd.set_detect_anomaly, step < 4)
+            elif step == 2:
+                ctx = functools.partial(torch.autograd.graph.disable_saved_tensors_hooks, "no")
+            else:
+                ctx = contextlib.nullcontext
+            for m, f in ((eager, eager), (mine, g)):
+                m.zero_grad()
+                with warnings.catch_warnings(), ctx():
+                    warnings.simplefilter("ignore")  # anomaly mode's own warning
+                    f(x).sum().backward()
+            torch.testing.assert_close(mine.weight.grad, eager.weight.grad)
+        s = autograph.stats(g)
+        assert s["replays"] >= 4 and s["backward_replays"] >= 3, (case, s)
+
+
+def test_anomaly_mode_and_disabled_saved_tensor_hooks_pass():
+    check_anomaly_mode_and_disabled_saved_tensor_hooks_pass()
+
+
+class _FreshLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h0 = torch.zeros(x.shape[0], 4, device=x.device, requires_grad=True)
+        return self.lin(x), h0
+
+
+def check_a_leaf_the_call_makes_and_returns_keeps_its_grad(device: str = "cpu") -> None:
+    """A forward returning a tensor requiring grad that it made (``torch.zeros(...,
+    requires_grad=True)``, an initial state to probe): eager's is a leaf whose
+    ``.grad`` a backward fills; the replayed one came out of the training Function,
+    no leaf, its ``.grad`` None.  Such a call runs eagerly, with a reason."""
+    torch.manual_seed(0)
+    eager = _FreshLeaf().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    for _ in range(5):
+        x = torch.randn(3, 4, device=device)
+        (ya, ha), (yb, hb) = eager(x), g(x)
+        (ya.sum() + ha.sum()).backward()
+        (yb.sum() + hb.sum()).backward()
+        assert hb.is_leaf and hb.grad is not None
+        torch.testing.assert_close(hb.grad, ha.grad)
+        torch.testing.assert_close(yb, ya)
+    assert autograph.stats(g)["eager_reasons"].get("backward_unsupported", 0) >= 1
+
+
+def test_a_leaf_the_call_makes_and_returns_keeps_its_grad():
+    check_a_leaf_the_call_makes_and_returns_keeps_its_grad()

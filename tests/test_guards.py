@@ -1755,7 +1755,158 @@ def check_containers_a_module_holds_changed_in_place_between_calls(device="cpu")
             replays.append(autograph.stats(g)["replays"])
     for i in (9, 14, 19, 24, 29):  # each change's graphs replayed before the next
         assert replays[i] - replays[i - 3] >= 2, replays
+    # a list no code of the module names (a loss history the loop appends to) is not
+    # compared: appending to it drops no graph
+    m.loss_history = []  # (a new attribute: the graphs go once, at the next call)
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.randn(2, 4, device=device))
+    before = autograph.stats(g)
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+            m.loss_history.append(0.5)
+    after = autograph.stats(g)
+    assert after["invalidations"] == before["invalidations"], after
+    assert after["replays"] - before["replays"] >= 6, after
 
 
 def test_containers_a_module_holds_changed_in_place_between_calls(standin):
     check_containers_a_module_holds_changed_in_place_between_calls()
+
+
+class _Switched(nn.Module):
+    """Flags a caller switches between calls: PEFT's ``disable_adapter()`` sets a bool
+    on every adapter layer and back, a policy-and-reference loop (DPO) does so every
+    step; a mode name; a step count."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.inner = nn.Linear(4, 4)
+        self.inner.disabled = False
+        self.mode = "sum"
+        self.count = 0
+
+    def forward(self, x):
+        y = self.fc(x)
+        if not self.inner.disabled:
+            y = y + self.inner(x)
+        y = y * 2 if self.mode == "double" else (y - 1 if self.mode is None else y)
+        return y + self.count
+
+
+def check_flags_switched_between_calls_select_graphs(device="cpu"):
+    """A bool, string or None attribute switched back and forth between calls selects
+    graphs as ``train()``/``eval()`` do (each switch dropped every graph, so a loop
+    switching every step never replayed); its first switch drops them once.  A number
+    set between calls still drops them (``model.count = i`` would make a key per step)."""
+    m = _Switched().to(device)
+    twin, g = copy.deepcopy(m), autograph.graphed(m)
+    modes = ["sum", "double", None]
+    with torch.no_grad():
+        for i in range(36):
+            for mod in (m, twin):
+                mod.inner.disabled = i % 2 == 1
+                mod.mode = modes[(i // 2) % 3]
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+        s = autograph.stats(g)
+        assert s["replays"] >= 12 and s["invalidations"] == 2, s  # the first switch of each
+        for i in range(8):
+            for mod in (m, twin):
+                mod.count = i // 4  # two values, four calls each
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    assert autograph.stats(g)["invalidations"] == 3, autograph.stats(g)
+    # a string set to a new value per request (an id): past MAX_FLAG_VALUES values it
+    # drops the graphs per value again, rather than keep a graph per request
+    with torch.no_grad():
+        for i in range(60):
+            for mod in (m, twin):
+                mod.mode = f"request {i // 3}"
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    assert autograph.stats(g)["graphs"] <= 3, autograph.stats(g)  # (it kept 21)
+
+
+def test_flags_switched_between_calls_select_graphs(standin):
+    check_flags_switched_between_calls_select_graphs()
+
+
+def _member(device):
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)).to(device)
+
+
+ENSEMBLE_TUPLE: tuple[nn.Module, ...] = ()
+ENSEMBLE_LIST: list[nn.Module] = []
+ENSEMBLE_TWINS: list[nn.Module] = []
+
+
+def _average_tuple(x):
+    return sum(m(x) for m in ENSEMBLE_TUPLE) / len(ENSEMBLE_TUPLE)
+
+
+def _average_list(x):
+    return sum(m(x) for m in ENSEMBLE_LIST) / len(ENSEMBLE_LIST)
+
+
+def _average_twins(x):
+    return sum(m(x) for m in ENSEMBLE_TWINS) / len(ENSEMBLE_TWINS)
+
+
+class _Trainer:
+    def __init__(self, models):
+        self.models = models
+
+    def predict(self, x):
+        return sum(m(x) for m in self.models)
+
+
+def check_modules_held_in_tuples_and_lists_are_watched(device="cpu"):
+    """An ensemble held in a global tuple or list, or in a list on a plain object whose
+    method is graphed: a member switched to ``eval()`` after the capture kept replaying
+    the training-mode graph (batch statistics), and under grad mode every call ran
+    eagerly (its parameters unwatched, the key was not one for training).  The members
+    are watched as the modules a function names are."""
+    torch.manual_seed(0)
+    for kind in ("tuple", "list", "trainer"):
+        members = [_member(device) for _ in range(2)]
+        twins = copy.deepcopy(members)
+        global ENSEMBLE_TUPLE, ENSEMBLE_LIST, ENSEMBLE_TWINS
+        if kind == "trainer":
+            g, eager = autograph.graphed(_Trainer(members).predict), _Trainer(twins).predict
+        else:
+            ENSEMBLE_TWINS = twins
+            if kind == "tuple":
+                ENSEMBLE_TUPLE = tuple(members)
+                g = autograph.graphed(_average_tuple)
+            else:
+                ENSEMBLE_LIST = members
+                g = autograph.graphed(_average_list)
+            eager = _average_twins
+        with torch.no_grad():
+            for i in range(8):
+                if i == 4:
+                    for m in members + twins:
+                        m.eval()
+                x = torch.randn(4, 8, device=device)
+                torch.testing.assert_close(g(x), eager(x))
+        for m in members + twins:
+            m.train()
+        for _ in range(6):  # grad mode: trained graphs, gradients as eager's
+            x = torch.randn(4, 8, device=device)
+            for ms, f in ((twins, eager), (members, g)):
+                for m in ms:
+                    m.zero_grad()
+                f(x).sum().backward()
+            for a, b in zip(twins[0].parameters(), members[0].parameters()):
+                torch.testing.assert_close(b.grad, a.grad)
+        s = autograph.stats(g)
+        assert s["replays"] >= 4 and s["backward_replays"] >= 1, (kind, s)
+        assert "autograd" not in s["eager_reasons"], (kind, s)
+
+
+def test_modules_held_in_tuples_and_lists_are_watched(standin):
+    check_modules_held_in_tuples_and_lists_are_watched()

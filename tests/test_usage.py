@@ -1923,6 +1923,61 @@ def test_graphed_calls_inside_torch_compile_trace_the_original():
     check_graphed_calls_inside_torch_compile()
 
 
+def check_graphed_modules_inside_fullgraph_compile_and_jit_trace(device="cpu"):
+    """A graphed module inside ``torch.compile(fullgraph=True)`` raised (Dynamo met the
+    region's context variables on the way to the original); one inside a module that
+    ``torch.jit.trace`` traces ran autograph under the tracer, so from the third trace
+    on the trace recorded a replay (a batch-3 trace answered batch 1 with 3 rows).
+    Both now reach the original."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2).to(device).requires_grad_(False)
+    g = autograph.graphed(lin)
+    parent = nn.Sequential(g, nn.Tanh())
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def outer(x):
+        return g(x) * 2
+
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 4, device=device)
+            torch.testing.assert_close(outer(x), lin(x) * 2)
+            traced = torch.jit.trace(parent, (x,), check_trace=False)
+            for n in (1, 5):
+                y = torch.randn(n, 4, device=device)
+                torch.testing.assert_close(traced(y), torch.tanh(lin(y)))
+        for _ in range(CALLS):
+            x = torch.randn(3, 4, device=device)
+            torch.testing.assert_close(g(x), lin(x))
+    replayed(g)
+
+
+def check_a_compiled_submodule_is_not_compiled_again(device="cpu"):
+    """A ``torch.compile``'d submodule inside a graphed module was compiled again for
+    the call's second warmup (run with the autocast cache off, a setting Dynamo guards
+    on), and under ``set_stance("fail_on_recompile")`` every call raised.  Outside
+    autocast the cache is left alone."""
+    torch.manual_seed(0)
+    inner = nn.Linear(4, 4).to(device)
+    model = nn.Sequential(torch.compile(inner, backend="eager"), nn.ReLU())
+    with torch.no_grad():
+        model(torch.randn(5, 4, device=device))  # compiled once, as eager use does
+        g = autograph.graphed(model)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for _ in range(CALLS + 3):
+                x = torch.randn(5, 4, device=device)
+                torch.testing.assert_close(g(x), torch.relu(inner(x)))
+    replayed(g)
+
+
+def test_a_compiled_submodule_is_not_compiled_again():
+    check_a_compiled_submodule_is_not_compiled_again()
+
+
+def test_graphed_modules_inside_fullgraph_compile_and_jit_trace():
+    check_graphed_modules_inside_fullgraph_compile_and_jit_trace()
+
+
 def _branchy(x):
     return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
 

@@ -13,8 +13,11 @@ from ..test_backward import (
     check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
+    check_a_leaf_the_call_makes_and_returns_keeps_its_grad,
     check_a_parameter_frozen_between_forward_and_backward,
+    check_a_scripted_module_graphed_for_training_replays,
     check_a_single_training_output_can_be_written_in_place,
+    check_anomaly_mode_and_disabled_saved_tensor_hooks_pass,
     check_another_threads_backward_is_not_the_calls,
     check_chunked_outputs_of_a_pending_call,
     check_eager_steps_before_graphed_training,
@@ -28,6 +31,7 @@ from ..test_backward import (
     check_parameters_swapped_for_new_objects_at_the_same_address,
     check_saved_tensor_hooks_run_eagerly,
     check_saved_tensors_with_internal_overlap_are_spilled,
+    check_selective_activation_checkpointing_trains,
     check_separate_backwards_through_independent_outputs,
     check_sparse_gradients_train_as_eager,
     check_state_and_arguments_written_before_backward_raise,
@@ -58,10 +62,12 @@ from ..test_guards import (
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
     check_containers_a_module_holds_changed_in_place_between_calls,
+    check_flags_switched_between_calls_select_graphs,
     check_function_arguments_are_keyed_by_code_and_values,
     check_gradients_and_flags_of_arguments_are_seen,
     check_held_state_in_training_calls_and_big_objects,
     check_lazy_modules_initialise_then_graph,
+    check_modules_held_in_tuples_and_lists_are_watched,
     check_named_tensors_given_other_memory_in_place_are_seen,
     check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
     check_objects_a_module_holds_changed_by_the_call,
@@ -99,6 +105,7 @@ from ..test_rng import (
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
     check_a_class_attribute_flag_is_seen,
+    check_a_compiled_submodule_is_not_compiled_again,
     check_a_forward_that_changes_a_name_it_reads,
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
@@ -115,6 +122,7 @@ from ..test_usage import (
     check_flags_read_through_namespaces_are_seen,
     check_function_modes_are_keyed,
     check_global_hooks_registered_through_any_name_are_seen,
+    check_graphed_modules_inside_fullgraph_compile_and_jit_trace,
     check_higher_order_operators_run_eagerly,
     check_lists_and_dicts_a_module_holds,
     check_lists_and_dicts_named_as_globals_or_cells,
@@ -589,3 +597,35 @@ def test_containers_a_module_holds_changed_in_place_between_calls():
 
 def test_parameters_given_new_shapes_through_data_keep_training():
     check_parameters_given_new_shapes_through_data_keep_training("cuda")
+
+
+def test_flags_switched_between_calls_select_graphs():
+    check_flags_switched_between_calls_select_graphs("cuda")
+
+
+def test_graphed_modules_inside_fullgraph_compile_and_jit_trace():
+    check_graphed_modules_inside_fullgraph_compile_and_jit_trace("cuda")
+
+
+def test_selective_activation_checkpointing_trains():
+    check_selective_activation_checkpointing_trains("cuda")
+
+
+def test_a_scripted_module_graphed_for_training_replays():
+    check_a_scripted_module_graphed_for_training_replays("cuda")
+
+
+def test_anomaly_mode_and_disabled_saved_tensor_hooks_pass():
+    check_anomaly_mode_and_disabled_saved_tensor_hooks_pass("cuda")
+
+
+def test_a_compiled_submodule_is_not_compiled_again():
+    check_a_compiled_submodule_is_not_compiled_again("cuda")
+
+
+def test_a_leaf_the_call_makes_and_returns_keeps_its_grad():
+    check_a_leaf_the_call_makes_and_returns_keeps_its_grad("cuda")
+
+
+def test_modules_held_in_tuples_and_lists_are_watched():
+    check_modules_held_in_tuples_and_lists_are_watched("cuda")

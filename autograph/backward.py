@@ -171,7 +171,7 @@ class Trained(replay.Captured):
                  "spill_set", "owner", "held_reason", "want_backward", "backwards", "single",
                  "recompute", "unsupported",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
-                 "bump_after", "views", "bumps_held", "spliced", "flat")
+                 "bump_after", "views", "bumps_held", "spliced", "flat", "needs")
 
     def __init__(self, base: replay.Captured, backend: OnPool, watch: Watch,
                  stats: Stats | None, out: Any, saved_state: list[torch.Tensor],
@@ -251,6 +251,11 @@ class Trained(replay.Captured):
         self.recompute: tuple[Callable[..., Any], recompute.Rebuild] | None = None
         # why every later call runs eagerly (recompute.DIFFERENTIATED), once it does
         self.unsupported: tuple[EagerReason, str] | None = None
+        # several outputs: per differentiable output (as ``diff``), the indexes of the
+        # saved tensors (``saved_state``, the saved arguments, the saved outputs) its
+        # backward reads, set by the capture; a backward checks those only, as eager's
+        # nodes each check their own (None: every one, autograd's check)
+        self.needs: list[frozenset[int]] | None = None
 
     # -- forward ---------------------------------------------------------------------
     def runner(self) -> Callable[[Any], Any]:
@@ -494,7 +499,14 @@ class _Replay(torch.autograd.Function):
         ctx.leaves = leaves  # for gradients differentiated again (recompute.py)
         # what the captured graph saved, version-checked by autograd as in eager mode:
         # parameters and buffers, the caller's arguments, outputs
-        if graph.saved_outputs or graph.saved_args:
+        if graph.needs is not None:  # checked per output by the backward (_check_needed)
+            ctx.save_for_backward(token)
+            checked = [*graph.saved_state, *[leaves[i] for i in graph.saved_args],
+                       *[outs[k] for k in graph.saved_outputs]]
+            ctx.checked = (checked[:len(checked) - len(graph.saved_outputs)]
+                           + [weakref.ref(outs[k]) for k in graph.saved_outputs],
+                           versions.versions(checked))
+        elif graph.saved_outputs or graph.saved_args:
             ctx.save_for_backward(token, *graph.saved_state,
                                   *[leaves[i] for i in graph.saved_args],
                                   *[outs[k] for k in graph.saved_outputs])
@@ -516,15 +528,40 @@ class _Replay(torch.autograd.Function):
             # saved changed since (checked as autograd would have)
             if "second time" not in str(exc) or not graph.holds(call, grads):
                 raise
-            call.unchanged()
+            if graph.needs is None:
+                call.unchanged()
             fresh = False
         else:
             fresh = True
-            if len(graph.diff) > 1:  # a later backward through other outputs may come
+            if len(graph.diff) > 1 and graph.needs is None:  # a later backward may come
                 call.keep_versions(saved[1:])
+        if graph.needs is not None:
+            _check_needed(ctx.checked, graph, grads)
         if torch.is_grad_enabled():  # create_graph=True: gradients with a history
             return (None, None, None, *recompute.gradients(graph, ctx.leaves, grads))
         return (None, None, None, *graph.replay_backward(call, grads, fresh))
+
+
+def _check_needed(checked: tuple[list[Any], list[int | None]], graph: Trained,
+                  grads: tuple[Any, ...]) -> None:
+    """Raise as autograd does where a tensor that the backward of an output taking a
+    gradient now reads was written in place since the call (``Trained.needs``); what
+    only other outputs' backwards read may change, as in eager mode (an optimizer
+    stepping a critic head between the critic's backward and the actor's)."""
+    refs, then = checked
+    assert graph.needs is not None
+    wanted: set[int] = set()
+    for j, k in enumerate(graph.diff):
+        if grads[k] is not None:
+            wanted |= graph.needs[j]
+    for i in sorted(wanted):
+        t = refs[i]() if isinstance(refs[i], weakref.ref) else refs[i]
+        if t is None or then[i] is None or t._version == then[i]:
+            continue  # (an output dropped since: its backward reads the graph's copy)
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by "
+            f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+            f"{t._version}; expected version {then[i]} instead (saved by a graphed call)")
 
 
 _functorch_active = torch._C._are_functorch_transforms_active

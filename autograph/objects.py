@@ -134,7 +134,9 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
             raise Uncapturable(EagerReason.UNKEYABLE, f"{walked.path(k)}: a {t.layout} tensor "
                                f"or a tensor subclass inside an argument object")
         if grad and t.requires_grad:
-            raise Uncapturable(EagerReason.AUTOGRAD, f"{walked.path(k)} requires grad")
+            # (a training graph takes tensors that require grad as arguments only)
+            raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED,
+                               f"{walked.path(k)}, inside an argument object, requires grad")
         tdev = t.device
         if tdev == device:
             version = None

@@ -203,9 +203,54 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if trained.spill_set is not None:
         trained.spill_set = [_spillable(t) for t in trained.spill_set]
     trained.find_saved_outputs()
+    trained.needs = _needs(trained)
     if reuse:
         trained.lend()
     return trained
+
+
+def _needs(trained: Trained) -> list[frozenset[int]] | None:
+    """Per differentiable output of a graph with several, the saved tensors (indexes
+    as ``_Replay.forward`` lists them: state, arguments, outputs) that the autograd
+    graph behind it saved: its backward reads those only.  None (check them all, as
+    autograd does) for one output, or where a node's saved tensors cannot be read (a
+    custom Function keeps them its own way)."""
+    if len(trained.diff) < 2:
+        return None
+    statics = dict(zip(trained.static.positions, trained.static.buffers))
+    outputs = dict(zip(trained.diff, trained.static_diff))
+    keys = [_storage_key(t) for t in trained.saved_state]
+    keys += [_storage_key(statics[i]) for i in trained.saved_args]
+    keys += [_storage_key(outputs[k]) for k in trained.saved_outputs]
+    needs = []
+    for out in trained.static_diff:
+        read: set[int] = set()
+        for node in gradgraph.nodes([out]):
+            saved = _saved_keys(node)
+            if saved is None:
+                return None
+            read |= saved
+        needs.append(frozenset(i for i, key in enumerate(keys) if key in read))
+    return needs
+
+
+def _saved_keys(node: Any) -> set[int] | None:
+    """The storages of the tensors an autograd node saved (its ``_saved_*``
+    attributes), or None where they cannot be read."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction):
+        return None
+    keys: set[int] = set()
+    for name in dir(node):
+        if not name.startswith("_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except Exception:  # noqa: BLE001 - one freed or unreadable: judge it unknown
+            return None
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor):
+                keys.add(_storage_key(t))
+    return keys
 
 
 def capturer(stats: Stats) -> Callable[..., Trained]:

@@ -1043,3 +1043,26 @@ def check_transformers_collecting_hooks_are_inert_until_a_caller_collects(device
 
 def test_transformers_collecting_hooks_are_inert_until_a_caller_collects(standin):
     check_transformers_collecting_hooks_are_inert_until_a_caller_collects()
+
+
+def test_a_tensor_requiring_grad_inside_an_object_names_the_real_reason():
+    """A soft prompt in a dataclass argument, requiring grad, under grad mode: eager,
+    counted as ``autograd``, whose text said the callable is not graphed for training
+    (``backward=False``); it is counted as ``backward_unsupported``, naming the tensor."""
+
+    @dataclasses.dataclass
+    class Prompt:
+        embeds: torch.Tensor
+
+    lin = nn.Linear(4, 4)
+    prompt = Prompt(torch.randn(2, 4, requires_grad=True))
+
+    def call(p):
+        return lin(p.embeds)
+
+    gc_ = autograph.graphed(call)
+    for _ in range(3):
+        torch.testing.assert_close(gc_(prompt), call(prompt))
+    s = autograph.stats(gc_)
+    assert "autograd" not in s["eager_reasons"], s
+    assert "inside an argument object" in str(s["eager_details"]), s

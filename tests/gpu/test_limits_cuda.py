@@ -39,6 +39,7 @@ from ..test_backward import (
     check_unused_outputs_take_no_part_in_backward,
     check_version_counters_advance_as_in_eager,
     check_version_counters_of_every_written_tensor,
+    check_writes_only_other_outputs_read_let_a_backward_pass,
 )
 from ..test_buckets import (
     check_a_branch_on_the_batch_size_is_checked_per_size,
@@ -629,3 +630,7 @@ def test_a_leaf_the_call_makes_and_returns_keeps_its_grad():
 
 def test_modules_held_in_tuples_and_lists_are_watched():
     check_modules_held_in_tuples_and_lists_are_watched("cuda")
+
+
+def test_writes_only_other_outputs_read_let_a_backward_pass():
+    check_writes_only_other_outputs_read_let_a_backward_pass("cuda")

@@ -207,7 +207,8 @@ def _other_key(engine: Engine, key: dict[str, Any], before: set[Any]) -> list[st
     fields of the closest one); none where one has the plan's key."""
     new = [keymodes.as_json(k.to_json()) for k, _ in engine.cache.graph_keys()
            if k not in before]
-    misses = [[f for f, v in key.items() if (k or {}).get(f) != v] for k in new]
+    misses = [[f for f, v in key.items() if (k or {}).get(f) != v and not (
+        f == "training" and keymodes.same_training(v, (k or {}).get(f)))] for k in new]
     return min(misses, key=len) if misses and all(misses) else []
 
 

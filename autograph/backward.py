@@ -503,8 +503,9 @@ class _Replay(torch.autograd.Function):
             ctx.save_for_backward(token)
             checked = [*graph.saved_state, *[leaves[i] for i in graph.saved_args],
                        *[outs[k] for k in graph.saved_outputs]]
+            # (an output as an alias: its version counter, and no cycle through ctx)
             ctx.checked = (checked[:len(checked) - len(graph.saved_outputs)]
-                           + [weakref.ref(outs[k]) for k in graph.saved_outputs],
+                           + [outs[k].detach() for k in graph.saved_outputs],
                            versions.versions(checked))
         elif graph.saved_outputs or graph.saved_args:
             ctx.save_for_backward(token, *graph.saved_state,
@@ -555,9 +556,9 @@ def _check_needed(checked: tuple[list[Any], list[int | None]], graph: Trained,
         if grads[k] is not None:
             wanted |= graph.needs[j]
     for i in sorted(wanted):
-        t = refs[i]() if isinstance(refs[i], weakref.ref) else refs[i]
-        if t is None or then[i] is None or t._version == then[i]:
-            continue  # (an output dropped since: its backward reads the graph's copy)
+        t = refs[i]
+        if then[i] is None or t._version == then[i]:
+            continue
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by "
             f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "

@@ -159,13 +159,17 @@ def _partial_refs(fn: functools.partial[Any]) -> list[tuple[Callable[[], Any], A
     return out
 
 
-def _held_modules(value: Any) -> list[nn.Module]:
-    """The modules a plain tuple, list or dict holds as items (an ensemble), or none:
-    each is watched as a root (``eval()``, an attribute, a hook on a member)."""
-    if type(value) not in (tuple, list, dict) or not value:
+def _held_modules(value: Any, depth: int = 0) -> list[nn.Module]:
+    """The modules a plain tuple, list or dict holds as items, or inside such items
+    (an ensemble, ``[(encoder, decoder)]``), or none: each is watched as a root
+    (``eval()``, an attribute, a hook on a member)."""
+    if type(value) not in (tuple, list, dict) or not value or depth > 1:
         return []
     items = value.values() if isinstance(value, dict) else value
-    return [v for v in items if isinstance(v, nn.Module)]
+    out: list[nn.Module] = []
+    for v in items:
+        out += [v] if isinstance(v, nn.Module) else _held_modules(v, depth + 1)
+    return out
 
 
 def _fixed(value: Any) -> tuple[Callable[[], Any], Any]:
@@ -191,8 +195,8 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             out.append((_global_getter(glb, name), value))
         elif _held_modules(value):  # an ensemble in a tuple or list: watched as roots
             out += [_fixed(m) for m in _held_modules(value)]
-            if isinstance(value, tuple):  # (rebinding the name is seen; a list's items not)
-                out.append((_global_getter(glb, name), value))
+            # rebinding the name is seen (compared by identity); a list's items are not
+            out.append((_global_getter(glb, name), value))
         elif isinstance(value, type) and _user_class(value):
             if attributes is None:
                 attributes = _code_names(code)
@@ -213,6 +217,7 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             out.append((_cell_getter(cell), value))
         elif _held_modules(value):
             out += [_fixed(m) for m in _held_modules(value)]
+            out.append((_cell_getter(cell), value))
         elif _namespace(value):
             reads = _attribute_loads(code)
             out.append((_cell_getter(cell), value))
@@ -642,7 +647,8 @@ def config_dicts(modules: Iterable[nn.Module]) -> list[Mapping[str, Any]]:
 
 # what ``nn.Module.__init__`` sets: its own bookkeeping, not state a forward reads
 _MODULE_OWN = frozenset(vars(nn.Module()))
-_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.deque)
+_CONTAINERS = (list, dict, set, collections.OrderedDict, collections.deque,
+               collections.defaultdict, collections.Counter)
 MAX_VALUES = 256  # items per container compared per call; a larger one is left out
 
 
@@ -658,11 +664,18 @@ def held_values(modules: Iterable[nn.Module], code: Any = None
     ``==``; item identity first, so a NaN is equal to itself).  A list no such code
     names (a loss history the training loop appends to) is not compared, nor
     containers of tensors, modules or other objects."""
-    extra = frozenset(_attribute_names(object, _codes_of(code))) if code is not None \
-        else frozenset()
+    modules = list(modules)
+    named = set(_attribute_names(object, _codes_of(code))) if code is not None else set()
+    for m in modules:
+        named |= _forward_names(type(m))  # type: ignore[arg-type]
+    by_class: dict[type, frozenset[str]] = {}
     found: dict[int, Any] = {}
     for m in modules:
-        names = _forward_names(type(m)) | extra  # type: ignore[arg-type]
+        cls = type(m)
+        if cls not in by_class:  # with what the methods the others name read of it
+            by_class[cls] = frozenset(named | _named_members(cls, named)) \
+                if _user_class(cls) else frozenset()
+        names = by_class[cls]
         if not names:
             continue
         for name, value in vars(m).items():
@@ -671,6 +684,15 @@ def held_values(modules: Iterable[nn.Module], code: Any = None
                 found.setdefault(id(value), value)
     live = list(found.values())
     return live, copy.deepcopy(live)
+
+
+def _named_members(cls: type, named: set[str]) -> set[str]:
+    """The names the methods and properties of ``cls`` that ``named`` names use (a
+    parent calling ``self.child.factor()`` reads what ``factor`` reads)."""
+    codes = [c for name in named for klass in cls.__mro__
+             if klass is not object and name in vars(klass)
+             for c in _codes_of(vars(klass)[name])]
+    return _attribute_names(cls, codes) if codes else set()
 
 
 @functools.lru_cache(maxsize=1024)

@@ -328,6 +328,7 @@ class Engine:
         """The original call, uncounted (under the watch, in a profiler range)."""
         stack = running_stack()  # ``with running(watch)``, without its two calls
         watch = self.watch
+        unchanged = watch.values_same()
         stack.append(watch)
         try:
             if _profiling():
@@ -340,6 +341,8 @@ class Engine:
                 watch.assignments = []  # of it kept alive by the watch)
             if watch.refs_moved():  # the call changed a name it reads: its own change
                 watch.accept_refs()
+            if unchanged:  # so for the plain containers the modules hold
+                watch.accept_values()
 
     def reset(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments (and try

@@ -40,6 +40,7 @@ callable's graphs by hand.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
 import threading
@@ -252,6 +253,20 @@ class Watch:
             return bool(self._values == self._value_copies)
         except Exception:  # noqa: BLE001
             return False
+
+    def values_same(self) -> bool:
+        """:meth:`_values_same`, True where none are compared."""
+        return not self._values or self._values_same()
+
+    def accept_values(self) -> None:
+        """After a call that ran the user's Python and found the containers unchanged:
+        take what it left as what they hold (a counter its forward advances is the
+        call's own change, which makes that call eager, not one to drop graphs for)."""
+        if self._values and not self._values_same():
+            try:
+                self._value_copies = copy.deepcopy(self._values)
+            except Exception:  # noqa: BLE001 - no longer plain: the next call drops
+                self.dirty = True
 
     def _configs_same(self) -> bool:
         """Whether each configuration object still holds what it held (``config_dicts``;
@@ -532,6 +547,9 @@ class Watch:
         if type(value) not in _FLAG_TYPES or type(was) not in _FLAG_TYPES:
             return False
         where = (id(module), name)
+        known = [r for r, n in self._flags if n == name and r() is module]
+        if where in self._flag_values and not known and self._flag_values[where] is not None:
+            del self._flag_values[where]  # another module, at a freed one's address
         values = self._flag_values.get(where, set())
         if values is None:  # too many values: not a flag
             return False

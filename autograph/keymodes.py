@@ -57,9 +57,19 @@ def _flag_changes(key: dict[str, Any]) -> list[str]:
             for name, then, value in zip(names, recorded[3:], now[3:]) if then != value]
 
 
+def same_training(recorded: Any, now: Any) -> bool:
+    """Whether a key's recorded training part is this process's: equal, or the same
+    modules' flags followed by the module flags the recording process had seen switch
+    (``guards.Watch._keys_flag``), which this one keys once they switch here."""
+    if recorded == now:
+        return True
+    return isinstance(recorded, list) and isinstance(now, list) \
+        and len(recorded) > len(now) and recorded[:len(now)] == now
+
+
 def _training_changes(recorded: Any, now: Any) -> list[str]:
     """How the modules' training flags recorded in a key differ from theirs now."""
-    if recorded is None or recorded == now:
+    if recorded is None or same_training(recorded, now):
         return []
     if not (isinstance(recorded, list) and isinstance(now, list) and len(recorded) == len(now)):
         return [f"recorded with module training flags {recorded}, now {now}"]

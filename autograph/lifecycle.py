@@ -704,8 +704,11 @@ def call_scope(watch: Watch) -> Iterator[None]:
     """What every warmup and capture of a graphed call runs under (output variants'
     captures too): nested graphed calls run eagerly (``nested_block``), the watch sees
     what the call reads (``running``), and autocast caches no casts."""
+    unchanged = watch.values_same()
     with nested_block(), running(watch), _no_autocast_cache():
         yield
+    if unchanged:
+        watch.accept_values()
 
 
 @contextlib.contextmanager
@@ -716,7 +719,7 @@ def _no_autocast_cache() -> Iterator[None]:
     Outside autocast the cache holds nothing and is left alone: a ``torch.compile``'d
     submodule guards on the setting, and would compile again for a warmup."""
     enabled = torch.is_autocast_cache_enabled()
-    if not enabled or not _any_autocast():
+    if not enabled or not (_any_autocast() or _autocast_nesting()):
         yield
         return
     torch.set_autocast_cache_enabled(False)
@@ -724,6 +727,14 @@ def _no_autocast_cache() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
+
+
+def _autocast_nesting() -> int:
+    """How many autocast blocks are open (those disabled too: the cache lives until
+    the outermost ends), read by entering and leaving one more level."""
+    depth = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return int(depth) - 1
 
 
 class nested_block:  # noqa: N801 - used like a function

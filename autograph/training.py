@@ -236,14 +236,22 @@ def _needs(trained: Trained) -> list[frozenset[int]] | None:
 
 def _saved_keys(node: Any) -> set[int] | None:
     """The storages of the tensors an autograd node saved (its ``_saved_*``
-    attributes), or None where they cannot be read."""
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
+    attributes), or None where they cannot be read: a custom Function's; an in-place
+    write into a view (``CopySlices`` hides the node that saved); a tensor saved
+    through another hook than the capture's (activation checkpointing, whose unpack
+    would run the forward again)."""
+    if isinstance(node, torch.autograd.function.BackwardCFunction) \
+            or type(node).__name__ == "CopySlices":
         return None
     keys: set[int] = set()
     for name in dir(node):
         if not name.startswith("_saved_"):
             continue
         try:
+            raw = getattr(node, "_raw" + name, None)
+            for r in raw if isinstance(raw, (tuple, list)) else (raw,):
+                if r is not None and getattr(r, "unpack_hook", _unpack) not in (None, _unpack):
+                    return None
             value = getattr(node, name)
         except Exception:  # noqa: BLE001 - one freed or unreadable: judge it unknown
             return None

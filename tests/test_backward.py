@@ -2221,3 +2221,65 @@ def check_writes_only_other_outputs_read_let_a_backward_pass(device: str = "cpu"
 
 def test_writes_only_other_outputs_read_let_a_backward_pass():
     check_writes_only_other_outputs_read_let_a_backward_pass()
+
+
+class _SlicedTwoOut(nn.Module):
+    """Writes slices of an intermediate in place (``CopySlices`` nodes) and runs a
+    checkpointed batch norm, with two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.v = nn.Linear(4, 1)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.a(x)
+        h[:, :2].mul_(self.scale)
+        h = checkpoint(self.bn, h, use_reentrant=False)
+        return torch.sigmoid(h), self.v(x)
+
+
+def check_per_output_checks_see_slices_dropped_outputs_and_checkpoints(
+        device: str = "cpu") -> None:
+    """The per-output check of saved tensors missed what an in-place write into a view
+    saved (``CopySlices`` hides the node that saved it) and a saved output the caller
+    dropped after writing its ``detach()`` alias: the backward passed where eager's
+    raises.  Finding what each output reads must not unpack what activation
+    checkpointing saved (that would run the checkpointed forward again: a batch norm's
+    running statistics would advance once more than eager's)."""
+    torch.manual_seed(0)
+    eager = _SlicedTwoOut().to(device)
+    mine = copy.deepcopy(eager)
+    g = autograph.graphed(mine)
+    for _ in range(5):
+        x = torch.randn(5, 4, device=device)
+        for m, f in ((eager, eager), (mine, g)):
+            m.zero_grad()
+            p, v = f(x)
+            (p.sum() + v.sum()).backward()
+        for a, b in zip(eager.parameters(), mine.parameters()):
+            torch.testing.assert_close(b.grad, a.grad)
+        torch.testing.assert_close(mine.bn.running_mean, eager.bn.running_mean)
+    for write in ("scale", "dropped output"):
+        for m, f in ((eager, eager), (mine, g)):
+            p, v = f(torch.randn(5, 4, device=device))
+            loss = p.sum() * 2
+            if write == "scale":
+                with torch.no_grad():
+                    m.scale.mul_(1.5)
+            else:
+                alias = p.detach()
+                del p
+                alias.clamp_(0.2, 0.8)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["backward_replays"] >= 2, s
+
+
+def test_per_output_checks_see_slices_dropped_outputs_and_checkpoints():
+    check_per_output_checks_see_slices_dropped_outputs_and_checkpoints()

@@ -1,5 +1,6 @@
 """Python state that graphs bake in never goes stale: parameters, attributes, globals."""
 
+import collections
 import copy
 import dataclasses
 import itertools
@@ -1856,6 +1857,39 @@ def _average_twins(x):
     return sum(m(x) for m in ENSEMBLE_TWINS) / len(ENSEMBLE_TWINS)
 
 
+ENSEMBLE_PAIRS: list[tuple[nn.Module, nn.Module]] = []
+
+
+def _pairs(x):
+    return sum(b(a(x)) for a, b in ENSEMBLE_PAIRS)
+
+
+def check_nested_and_rebound_ensembles_are_watched(device="cpu"):
+    """Modules in tuples inside a global list (``[(encoder, head)]``) were not watched
+    (an attribute set on one kept the old graph), and a global list of modules rebound
+    to another list kept replaying the first list's graph."""
+    global ENSEMBLE_PAIRS, ENSEMBLE_LIST
+    torch.manual_seed(0)
+    a, b, c = (nn.Linear(4, 4).to(device) for _ in range(3))
+    ENSEMBLE_PAIRS = [(a, b)]
+    ENSEMBLE_LIST = [a, b]
+    g, h = autograph.graphed(_pairs), autograph.graphed(_average_list)
+    with torch.no_grad():
+        for i in range(12):
+            if i == 4:
+                b.weight = nn.Parameter(b.weight * 2)  # (a new parameter object)
+            if i == 8:
+                ENSEMBLE_LIST = [a, c]
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), b(a(x)))
+            torch.testing.assert_close(h(x), sum(m(x) for m in ENSEMBLE_LIST) / 2)
+    assert autograph.stats(g)["replays"] >= 2 and autograph.stats(h)["replays"] >= 2
+
+
+def test_nested_and_rebound_ensembles_are_watched(standin):
+    check_nested_and_rebound_ensembles_are_watched()
+
+
 class _Trainer:
     def __init__(self, models):
         self.models = models
@@ -1910,3 +1944,63 @@ def check_modules_held_in_tuples_and_lists_are_watched(device="cpu"):
 
 def test_modules_held_in_tuples_and_lists_are_watched(standin):
     check_modules_held_in_tuples_and_lists_are_watched()
+
+
+class _Child(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.active = [1.0]
+        self.counts = collections.Counter(a=1)
+
+    def factor(self):
+        return self.active[0] * self.counts["a"]
+
+    def forward(self, x):
+        return x
+
+
+class _Parent(nn.Module):
+    """Reads its child's list through the child's method, a defaultdict of its own, and
+    counts its large batches in a dict of its own (the call's own change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.c = _Child()
+        self.scales = collections.defaultdict(float, w=1.0)
+        self.stats = {"big": 0}
+
+    def forward(self, x):
+        if x.shape[0] > 2:
+            self.stats["big"] += 1
+        return self.fc(x) * self.c.factor() * self.scales["w"]
+
+
+def check_containers_read_through_children_and_counted_by_the_call(device="cpu"):
+    """A child's list read through the child's method the parent calls, a
+    ``defaultdict`` and a ``Counter`` changed in place were not compared (stale
+    replays); a dict the forward counts into for one key dropped every graph at each
+    such call (the copy was never brought up to date with the call's own change)."""
+    m = _Parent().to(device)
+    twin, g = copy.deepcopy(m), autograph.graphed(m)
+    changes = {6: lambda mod: mod.c.active.__setitem__(0, 2.0),
+               12: lambda mod: mod.scales.__setitem__("w", 3.0),
+               18: lambda mod: mod.c.counts.update(a=1)}
+    with torch.no_grad():
+        for i in range(24):
+            if i in changes:
+                changes[i](m)
+                changes[i](twin)
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+        before = autograph.stats(g)
+        for i in range(12):  # the small key replays between the big key's eager calls
+            x = torch.randn(2 if i % 2 else 3, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    after = autograph.stats(g)
+    assert after["invalidations"] == before["invalidations"], after
+    assert after["replays"] - before["replays"] >= 5, after
+
+
+def test_containers_read_through_children_and_counted_by_the_call(standin):
+    check_containers_read_through_children_and_counted_by_the_call()

@@ -1974,6 +1974,42 @@ def test_a_compiled_submodule_is_not_compiled_again():
     check_a_compiled_submodule_is_not_compiled_again()
 
 
+class _OwnAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            return self.fc(x).float()
+
+
+def check_casts_are_not_cached_inside_an_outer_autocast_block(device="cpu"):
+    """A forward entering autocast itself, captured inside an outer autocast block
+    with autocast disabled around the call: the cache, left on (no autocast enabled),
+    still held the warmup's cast of the weight, the capture recorded no cast, and
+    replays kept the old weight's cast after an in-place update."""
+    torch.manual_seed(0)
+    m = _OwnAutocast().to(device)
+    g = autograph.graphed(m)
+    x = torch.randn(2, 8, device=device)
+    with torch.no_grad():
+        with torch.autocast(device, dtype=torch.bfloat16), \
+                torch.autocast(device, enabled=False):
+            for _ in range(3):
+                g(x)
+        for _ in range(3):
+            m.fc.weight.add_(1.0)
+            with autograph.disabled():
+                want = m(x)
+            torch.testing.assert_close(g(x), want)
+    replayed(g)
+
+
+def test_casts_are_not_cached_inside_an_outer_autocast_block():
+    check_casts_are_not_cached_inside_an_outer_autocast_block()
+
+
 def test_graphed_modules_inside_fullgraph_compile_and_jit_trace():
     check_graphed_modules_inside_fullgraph_compile_and_jit_trace()
 

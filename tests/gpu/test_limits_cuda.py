@@ -29,6 +29,7 @@ from ..test_backward import (
     check_parameter_hooks_run_once,
     check_parameters_given_new_shapes_through_data_keep_training,
     check_parameters_swapped_for_new_objects_at_the_same_address,
+    check_per_output_checks_see_slices_dropped_outputs_and_checkpoints,
     check_saved_tensor_hooks_run_eagerly,
     check_saved_tensors_with_internal_overlap_are_spilled,
     check_selective_activation_checkpointing_trains,
@@ -63,6 +64,7 @@ from ..test_guards import (
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
     check_containers_a_module_holds_changed_in_place_between_calls,
+    check_containers_read_through_children_and_counted_by_the_call,
     check_flags_switched_between_calls_select_graphs,
     check_function_arguments_are_keyed_by_code_and_values,
     check_gradients_and_flags_of_arguments_are_seen,
@@ -70,6 +72,7 @@ from ..test_guards import (
     check_lazy_modules_initialise_then_graph,
     check_modules_held_in_tuples_and_lists_are_watched,
     check_named_tensors_given_other_memory_in_place_are_seen,
+    check_nested_and_rebound_ensembles_are_watched,
     check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
     check_objects_a_module_holds_changed_by_the_call,
     check_scripted_modules_attributes_and_modes_are_seen,
@@ -111,6 +114,7 @@ from ..test_usage import (
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_attention_kernel_choices_are_keyed,
+    check_casts_are_not_cached_inside_an_outer_autocast_block,
     check_class_tensors_and_modules_are_guarded,
     check_classmethods_decorated_in_the_class_body,
     check_compiled_code_met_in_a_graphed_call_compiles_later,
@@ -634,3 +638,19 @@ def test_modules_held_in_tuples_and_lists_are_watched():
 
 def test_writes_only_other_outputs_read_let_a_backward_pass():
     check_writes_only_other_outputs_read_let_a_backward_pass("cuda")
+
+
+def test_containers_read_through_children_and_counted_by_the_call():
+    check_containers_read_through_children_and_counted_by_the_call("cuda")
+
+
+def test_nested_and_rebound_ensembles_are_watched():
+    check_nested_and_rebound_ensembles_are_watched("cuda")
+
+
+def test_casts_are_not_cached_inside_an_outer_autocast_block():
+    check_casts_are_not_cached_inside_an_outer_autocast_block("cuda")
+
+
+def test_per_output_checks_see_slices_dropped_outputs_and_checkpoints():
+    check_per_output_checks_see_slices_dropped_outputs_and_checkpoints("cuda")

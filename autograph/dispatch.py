@@ -328,7 +328,7 @@ class Engine:
         """The original call, uncounted (under the watch, in a profiler range)."""
         stack = running_stack()  # ``with running(watch)``, without its two calls
         watch = self.watch
-        unchanged = watch.values_same()
+        unchanged = not watch.refs_moved() and watch.values_same()
         stack.append(watch)
         try:
             if _profiling():
@@ -339,10 +339,25 @@ class Engine:
             stack.pop()
             if watch.assignments:  # what it assigned: noted for warmups only (nothing
                 watch.assignments = []  # of it kept alive by the watch)
-            if watch.refs_moved():  # the call changed a name it reads: its own change
-                watch.accept_refs()
-            if unchanged:  # so for the plain containers the modules hold
-                watch.accept_values()
+            if watch.refs_moved() or not watch.values_same():
+                # a name it reads or a container a module holds changed: its own change
+                # only where nothing had changed before the call (no guard may have
+                # checked on the way here), and then dropping graphs that baked it in
+                if unchanged:
+                    self.own_change()
+                else:
+                    watch.dirty = True
+
+    def own_change(self) -> None:
+        """A call (run eagerly) changed state that graphs bake in: a module attribute,
+        a name its code reads, a container a module holds.  Graphs of other keys may
+        have baked the old value in: dropped (at the next call); with none, the guard
+        takes what the call left."""
+        if any(e.graph is not None for e in list(self.cache.entries.values())):
+            self.watch.dirty = True
+        else:
+            self.watch.accept_refs()
+            self.watch.accept_values()
 
     def reset(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments (and try

@@ -704,11 +704,8 @@ def call_scope(watch: Watch) -> Iterator[None]:
     """What every warmup and capture of a graphed call runs under (output variants'
     captures too): nested graphed calls run eagerly (``nested_block``), the watch sees
     what the call reads (``running``), and autocast caches no casts."""
-    unchanged = watch.values_same()
     with nested_block(), running(watch), _no_autocast_cache():
         yield
-    if unchanged:
-        watch.accept_values()
 
 
 @contextlib.contextmanager

@@ -83,11 +83,11 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
             engine.stats.reclassify(warmed.problem.reason, warmed.problem.detail)
             entry.hooked = True
             return warmed.out
-        if isinstance(warmed.problem, lifecycle.AttributeSet) and any(
-                e.graph is not None for e in list(engine.cache.entries.values())):
-            # it left a module attribute changed, which other keys' graphs baked in
-            # (a forward recalibrating per batch size): they are captured again
-            engine.watch.dirty = True
+        if lifecycle.changed_once(warmed.problem):
+            # it left a module attribute, a global or a container changed, which other
+            # keys' graphs baked in (a forward recalibrating per batch size): they are
+            # captured again; with none, what it left is what the guard holds
+            engine.own_change()
         if lifecycle.changed_once(warmed.problem) and not entry.assigned_once:
             entry.assigned_once = True  # a global set once (a lazy set-up): learn again
             return warmed.out

@@ -63,6 +63,7 @@ from ..test_guards import (
     check_an_optimizer_step_reads_the_gradients_it_is_given,
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
+    check_changes_on_eager_paths_are_not_taken_as_the_calls_own,
     check_containers_a_module_holds_changed_in_place_between_calls,
     check_containers_read_through_children_and_counted_by_the_call,
     check_flags_switched_between_calls_select_graphs,
@@ -654,3 +655,7 @@ def test_casts_are_not_cached_inside_an_outer_autocast_block():
 
 def test_per_output_checks_see_slices_dropped_outputs_and_checkpoints():
     check_per_output_checks_see_slices_dropped_outputs_and_checkpoints("cuda")
+
+
+def test_changes_on_eager_paths_are_not_taken_as_the_calls_own():
+    check_changes_on_eager_paths_are_not_taken_as_the_calls_own("cuda")

@@ -686,17 +686,12 @@ def held_values(modules: Iterable[nn.Module], code: Any = None
     return live, copy.deepcopy(live)
 
 
-# method names that tensors and builtin containers have: ``h.mean()`` in a forward
-# names no module's ``mean``
-_COMMON_METHODS = frozenset(dir(torch.Tensor)) | frozenset(dir(dict)) | frozenset(dir(list)) \
-    | frozenset(dir(str)) | frozenset(dir(set))
-
-
 def _named_members(cls: type, named: set[str]) -> set[str]:
     """The names the methods and properties of ``cls`` that ``named`` names use (a
-    parent calling ``self.child.factor()`` reads what ``factor`` reads), but names
-    tensors and builtin containers have as methods (``h.mean()``)."""
-    codes = [c for name in named - _COMMON_METHODS for klass in cls.__mro__
+    parent calling ``self.child.factor()`` reads what ``factor`` reads; a name shared
+    with a tensor's method, ``h.mean()``, counts too: which object it is called on is
+    not known)."""
+    codes = [c for name in named for klass in cls.__mro__
              if klass is not object and name in vars(klass)
              for c in _codes_of(vars(klass)[name])]
     return _attribute_names(cls, codes) if codes else set()

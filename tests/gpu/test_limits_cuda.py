@@ -63,6 +63,7 @@ from ..test_guards import (
     check_an_optimizer_step_reads_the_gradients_it_is_given,
     check_argument_sharing_a_hidden_tensor,
     check_argument_sharing_written_state,
+    check_changes_of_captures_and_eager_paths_drop_other_keys_graphs,
     check_changes_on_eager_paths_are_not_taken_as_the_calls_own,
     check_containers_a_module_holds_changed_in_place_between_calls,
     check_containers_read_through_children_and_counted_by_the_call,
@@ -659,3 +660,7 @@ def test_per_output_checks_see_slices_dropped_outputs_and_checkpoints():
 
 def test_changes_on_eager_paths_are_not_taken_as_the_calls_own():
     check_changes_on_eager_paths_are_not_taken_as_the_calls_own("cuda")
+
+
+def test_changes_of_captures_and_eager_paths_drop_other_keys_graphs():
+    check_changes_of_captures_and_eager_paths_drop_other_keys_graphs("cuda")

@@ -501,12 +501,10 @@ class _Replay(torch.autograd.Function):
         # parameters and buffers, the caller's arguments, outputs
         if graph.needs is not None:  # checked per output by the backward (_check_needed)
             ctx.save_for_backward(token)
-            checked = [*graph.saved_state, *[leaves[i] for i in graph.saved_args],
-                       *[outs[k] for k in graph.saved_outputs]]
             # (an output as an alias: its version counter, and no cycle through ctx)
-            ctx.checked = (checked[:len(checked) - len(graph.saved_outputs)]
-                           + [outs[k].detach() for k in graph.saved_outputs],
-                           versions.versions(checked))
+            checked = [*graph.saved_state, *[leaves[i] for i in graph.saved_args],
+                       *[outs[k].detach() for k in graph.saved_outputs]]
+            ctx.checked = (checked, versions.versions(checked))
         elif graph.saved_outputs or graph.saved_args:
             ctx.save_for_backward(token, *graph.saved_state,
                                   *[leaves[i] for i in graph.saved_args],

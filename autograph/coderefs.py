@@ -193,8 +193,8 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
         value = glb.get(name, MISSING)
         if name in stores or _trackable(value) or _function(value):
             out.append((_global_getter(glb, name), value))
-        elif _held_modules(value):  # an ensemble in a tuple or list: watched as roots
-            out += [_fixed(m) for m in _held_modules(value)]
+        elif held := _held_modules(value):  # an ensemble in a tuple or list: watched
+            out += [_fixed(m) for m in held]
             # rebinding the name is seen (compared by identity); a list's items are not
             out.append((_global_getter(glb, name), value))
         elif isinstance(value, type) and _user_class(value):
@@ -215,8 +215,8 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             continue
         if _trackable(value) or _function(value):
             out.append((_cell_getter(cell), value))
-        elif _held_modules(value):
-            out += [_fixed(m) for m in _held_modules(value)]
+        elif held := _held_modules(value):
+            out += [_fixed(m) for m in held]
             out.append((_cell_getter(cell), value))
         elif _namespace(value):
             reads = _attribute_loads(code)

@@ -41,7 +41,6 @@ callable's graphs by hand.
 from __future__ import annotations
 
 import copy
-import inspect
 import operator
 import threading
 import weakref
@@ -259,9 +258,8 @@ class Watch:
         return not self._values or self._values_same()
 
     def accept_values(self) -> None:
-        """After a call that ran the user's Python and found the containers unchanged:
-        take what it left as what they hold (a counter its forward advances is the
-        call's own change, which makes that call eager, not one to drop graphs for)."""
+        """Take what the containers hold now as what they hold (``Engine.own_change``,
+        after a call's own change where no graph baked the old values in)."""
         if self._values and not self._values_same():
             try:
                 self._value_copies = copy.deepcopy(self._values)
@@ -440,7 +438,7 @@ class Watch:
         the user's code (an instance method's function rather than the engine's
         closure) and object, and the watched modules' forwards."""
         owner = self._owner() if self._owner is not None else None
-        code = self._code if self._code is not None else _unwrapped(fn)
+        code = self._code if self._code is not None else fn
         return reach(code, self.every_module(), owner)
 
     def host_generators(self, reached: Reach, arguments: Any) -> tuple[Any, ...]:
@@ -566,15 +564,6 @@ class Watch:
             self._flags = [(r, n) for r, n in self._flags if (id(r()), n) != where]
             return False
         return True
-
-
-def _unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The callable under autograph's own wrappers of a call (a training capture's,
-    a training warmup's), which name autograph's state, not the user's."""
-    try:
-        return inspect.unwrap(fn)
-    except ValueError:  # a cycle of __wrapped__
-        return fn
 
 
 _FLAG_TYPES = frozenset({bool, str, type(None)})

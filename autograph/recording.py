@@ -88,9 +88,9 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
             # keys' graphs baked in (a forward recalibrating per batch size): they are
             # captured again; with none, what it left is what the guard holds
             engine.own_change()
-        if lifecycle.changed_once(warmed.problem) and not entry.assigned_once:
-            entry.assigned_once = True  # a global set once (a lazy set-up): learn again
-            return warmed.out
+            if not entry.assigned_once:
+                entry.assigned_once = True  # a global set once (a lazy set-up): learn again
+                return warmed.out
         entry.give_up(warmed.problem.reason, warmed.problem.detail)
         return warmed.out
     if resets:

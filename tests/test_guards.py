@@ -2030,6 +2030,16 @@ class _Scaled(nn.Module):
         return h - h.mean()
 
 
+def _agree_with_eager(g, m, device, calls=4):
+    """``calls`` calls of ``g`` under ``no_grad``, each equal to ``m`` run eagerly."""
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(2, 4, device=device)
+            with autograph.disabled():
+                want = m(x)
+            torch.testing.assert_close(g(x), want)
+
+
 def check_changes_on_eager_paths_are_not_taken_as_the_calls_own(device="cpu"):
     """A change made by a forward pre-hook (its call ran eagerly for the hook), or by
     the user before a call that took an eager path checking no guard (grad mode with
@@ -2044,20 +2054,11 @@ def check_changes_on_eager_paths_are_not_taken_as_the_calls_own(device="cpu"):
         handle = m.register_forward_pre_hook(lambda mod, args: mod.mode.update(scale=3.0))
         g(torch.randn(2, 4, device=device))
         handle.remove()
-        for _ in range(4):
-            x = torch.randn(2, 4, device=device)
-            with autograph.disabled():
-                want = m(x)
-            torch.testing.assert_close(g(x), want)
+    _agree_with_eager(g, m, device)
     try:
         GLOBAL_SCALE = 2.0
         g(torch.randn(2, 4, device=device))  # grad on, backward=False: eager
-        with torch.no_grad():
-            for _ in range(4):
-                x = torch.randn(2, 4, device=device)
-                with autograph.disabled():
-                    want = m(x)
-                torch.testing.assert_close(g(x), want)
+        _agree_with_eager(g, m, device)
     finally:
         GLOBAL_SCALE = 1.0
     assert autograph.stats(g)["invalidations"] == 2, autograph.stats(g)
@@ -2109,12 +2110,7 @@ def check_changes_of_captures_and_eager_paths_drop_other_keys_graphs(device="cpu
         m = _SetsForBig().to(device)
         g = autograph.graphed(m, warmup=0 if kind == "warmup=0" else 2, backward=False)
         try:
-            with torch.no_grad():
-                for _ in range(4):
-                    x = torch.randn(2, 4, device=device)
-                    with autograph.disabled():
-                        want = m(x)
-                    torch.testing.assert_close(g(x), want)
+            _agree_with_eager(g, m, device)
             big = torch.randn(3, 4, device=device)
             if kind == "grad":
                 g(big)
@@ -2124,12 +2120,7 @@ def check_changes_of_captures_and_eager_paths_drop_other_keys_graphs(device="cpu
             for change in (None, "table"):
                 if change:
                     m.table.scales["a"] = 5.0
-                with torch.no_grad():
-                    for _ in range(4):
-                        x = torch.randn(2, 4, device=device)
-                        with autograph.disabled():
-                            want = m(x)
-                        torch.testing.assert_close(g(x), want)
+                _agree_with_eager(g, m, device)
         finally:
             SIZE_SCALE = 1.0
         assert autograph.stats(g)["replays"] >= 2, (kind, autograph.stats(g))

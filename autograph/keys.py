@@ -24,6 +24,7 @@ from .flat import BY_VALUE, FLAT, Flat, size_leaf, spec_key, unopened
 from .memo import KeyMemo
 from .modes import USER_MODE
 from .objects import (
+    QUANTIZED,
     ObjectKey,
     Walked,
     finish,
@@ -272,6 +273,8 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
                                         (x.is_conj(), x.is_neg())))
             except (RuntimeError, NotImplementedError):  # nested tensors have no strides
                 raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x)) from None
+            if part[2] in QUANTIZED:
+                raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
             if device is None:
                 device = part[3]
             elif part[3] != device:
@@ -340,6 +343,8 @@ def _tensor_kind(x: torch.Tensor) -> str:
         return f"tensor subclass {type(x).__name__} argument"
     if x.is_nested:
         return "nested tensor argument"
+    if x.is_quantized:
+        return "quantized tensor argument"
     return f"{x.layout} tensor argument"
 
 

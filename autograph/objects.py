@@ -45,6 +45,10 @@ from .memo import same_tensors
 from .vocab import EagerReason, Uncapturable
 from .walk import VALUES, Walked, number_key, walk
 
+# quantized tensors are strided, but no buffer of their kind can be made to copy into
+QUANTIZED = frozenset(getattr(torch, n) for n in ("qint8", "quint8", "qint32", "quint4x2",
+                                                  "quint2x4") if hasattr(torch, n))
+
 _Tensor = torch.Tensor
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _strided = torch.strided
@@ -130,9 +134,10 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
     host = device.type != "cpu"
     versions = False
     for k, t in enumerate(walked.tensors):
-        if type(t) not in _PLAIN or t.layout is not _strided:
-            raise Uncapturable(EagerReason.UNKEYABLE, f"{walked.path(k)}: a {t.layout} tensor "
-                               f"or a tensor subclass inside an argument object")
+        if type(t) not in _PLAIN or t.layout is not _strided or t.dtype in QUANTIZED:
+            raise Uncapturable(EagerReason.UNKEYABLE, f"{walked.path(k)}: a {t.layout} or "
+                               "quantized tensor or a tensor subclass inside an argument "
+                               "object")
         if grad and t.requires_grad:
             # (a training graph takes tensors that require grad as arguments only)
             raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED,

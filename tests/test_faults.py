@@ -196,3 +196,36 @@ def test_zero_size_and_one_tensor_twice():
             t = torch.randn(3)
             torch.testing.assert_close(f(t, t), t + t.sum())
     invariant(f)
+
+
+def check_quantized_arguments_run_eagerly(device="cpu"):
+    """A quantized tensor (``torch.quantize_per_tensor``) is strided, but no static
+    buffer of its kind can be made: as an argument, or inside an argument object, it
+    raised from every capture attempt where eager mode returns a result."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Batch:
+        q: torch.Tensor
+
+    w = torch.randn(4, 8, device=device)
+    f = autograph.graphed(lambda qx, w: nn.functional.linear(qx.dequantize(), w))
+    h = autograph.graphed(lambda b, w: nn.functional.linear(b.q.dequantize(), w))
+    with torch.no_grad():
+        for _ in range(5):
+            try:
+                qx = torch.quantize_per_tensor(torch.randn(3, 8, device=device), 0.05, 0,
+                                               torch.qint8)
+                want = nn.functional.linear(qx.dequantize(), w)
+            except (RuntimeError, NotImplementedError):
+                pytest.skip(f"no quantized tensors on {device}")
+            torch.testing.assert_close(f(qx, w), want)
+            torch.testing.assert_close(h(Batch(qx), w), want)
+    for g in (f, h):
+        s = autograph.stats(g)
+        assert s["eager_reasons"] == {"unkeyable_argument": 5}, s
+        assert "quantized" in next(iter(s["eager_details"]["unkeyable_argument"])), s
+
+
+def test_quantized_arguments_run_eagerly():
+    check_quantized_arguments_run_eagerly()

@@ -56,6 +56,7 @@ from ..test_buckets import (
     check_the_padding_check_leaves_the_generator_as_it_found_it,
     check_the_padding_check_puts_back_a_generator_the_call_names,
 )
+from ..test_faults import check_quantized_arguments_run_eagerly
 from ..test_guards import (
     check_a_scripted_submodule_trains,
     check_a_traced_module_that_fails_under_a_mode_runs,
@@ -664,3 +665,7 @@ def test_changes_on_eager_paths_are_not_taken_as_the_calls_own():
 
 def test_changes_of_captures_and_eager_paths_drop_other_keys_graphs():
     check_changes_of_captures_and_eager_paths_drop_other_keys_graphs("cuda")
+
+
+def test_quantized_arguments_run_eagerly():
+    check_quantized_arguments_run_eagerly("cuda")

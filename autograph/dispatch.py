@@ -246,6 +246,8 @@ class Engine:
                 raise Uncapturable(EagerReason.HOOKS, hooked)
         if watch.collects and notify.collector():
             raise Uncapturable(EagerReason.HOOKS, COLLECTED)
+        if key.modes[0] and notify.global_backward_hooks():  # (set up as modules run)
+            raise Uncapturable(EagerReason.HOOKS, notify.GLOBAL_BACKWARD)
         if key.modes[0] and self._autograd_records(flat):
             if not self.trains:
                 raise Uncapturable(EagerReason.AUTOGRAD)

@@ -176,7 +176,8 @@ def _notify(module: nn.Module, name: str, value: Any = _MISSING, changed: bool =
 
 
 def install() -> None:
-    """Install the assignment hooks once, the first time a module is watched."""
+    """Install the assignment and registration hooks once (at import: a registration
+    bound by name later, ``register = nn.Module.register_forward_hook``, is ours)."""
     global _installed
     if _installed:
         return
@@ -304,9 +305,30 @@ def global_hooks() -> bool:
     return bool(GLOBAL_HOOKS or GLOBAL_PRE_HOOKS)
 
 
+def _global_backward_dicts() -> tuple[dict[Any, Any], dict[Any, Any]]:
+    from torch.nn.modules import module as mm
+
+    return (getattr(mm, "_global_backward_hooks", {}),
+            getattr(mm, "_global_backward_pre_hooks", {}))
+
+
+# the same for global module backward (pre-)hooks, read on every call autograd records:
+# a module sets them up as it is called, so a graph captured without them misses them
+GLOBAL_BACKWARD_HOOKS, GLOBAL_BACKWARD_PRE_HOOKS = _global_backward_dicts()
+GLOBAL_BACKWARD = "global module backward hooks are registered"
+
+
+def global_backward_hooks() -> bool:
+    """Whether global module backward hooks are registered (two dictionary reads)."""
+    return bool(GLOBAL_BACKWARD_HOOKS or GLOBAL_BACKWARD_PRE_HOOKS)
+
+
 def still_hooked(hooked: Any) -> bool:
     """Whether what a hook reason named (see hooks_reason) still has forward hooks."""
     if hooked is GLOBAL:
         return global_hooks()
     m = hooked() if hooked is not None else None
     return m is not None and _hooked(m)
+
+
+install()

@@ -102,6 +102,7 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
     profiling, functorch, held, observed = _profiling, _functorch, _HELD, _counting
     fwad = _fwad
     hooks, pre_hooks, collector = notify.GLOBAL_HOOKS, notify.GLOBAL_PRE_HOOKS, notify.collector
+    backward_hooks = notify.GLOBAL_BACKWARD_HOOKS, notify.GLOBAL_BACKWARD_PRE_HOOKS
 
     def shortcut(args: tuple[Any, ...]) -> Any:
         if (switch._active or env_set() or entry.run is not run
@@ -114,7 +115,7 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
                 or cache.inplace or cache.pinning
                 or (n > 1 and _aliases(args, tensor_pos) != aliases)
                 or (cache.state_bases and sharers(args, tensor_pos, cache.state_bases))
-                or (training_key and saved_hooks())):
+                or (training_key and (saved_hooks() or any(backward_hooks)))):
             return MISS
         try:
             result = run(args)

@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
-from . import gradgraph, lifecycle, replay
+from . import gradgraph, lifecycle, notify, replay
 from .backward import Trained
 from .buffers import _overlaps
 from .capture import Backend, OnPool
@@ -107,11 +107,8 @@ class HooksPresent(Uncapturable):
 
 def backward_hooks(watch: Watch) -> str | None:
     """Why module backward hooks forbid a backward graph, or None."""
-    from torch.nn.modules import module as mm
-
-    for name in ("_global_backward_hooks", "_global_backward_pre_hooks"):
-        if getattr(mm, name, None):
-            return "global module backward hooks are registered"
+    if notify.global_backward_hooks():
+        return notify.GLOBAL_BACKWARD
     for root in watch.modules():
         for m in root.modules():
             if m._backward_hooks or m._backward_pre_hooks:

@@ -3205,6 +3205,82 @@ def test_global_hooks_registered_through_any_name_are_seen(standin):
     check_global_hooks_registered_through_any_name_are_seen()
 
 
+def check_global_backward_hooks_registered_through_any_name_are_seen(device="cpu"):
+    """A global module backward (pre-)hook registered after capture through a name
+    imported before autograph wrapped the registration functions: training replays
+    (a graphed model's, a whole step's) skipped it, so gradients differed from eager's.
+    The calls run eagerly while it is registered, and replay once it is removed."""
+    from torch.nn.modules import module as mm
+
+    registrations = [mm.__dict__["register_module_full_backward_hook"],
+                     mm.__dict__["register_module_full_backward_pre_hook"]]
+    registrations = [getattr(r, "__wrapped__", r) for r in registrations]
+    hooks = [lambda mod, gi, go: tuple(torch.zeros_like(t) for t in gi)
+             if isinstance(mod, nn.ReLU) else None,
+             lambda mod, go: tuple(g * 3 for g in go) if isinstance(mod, nn.ReLU) else None]
+    for whole_step in (False, True):
+        for register, hook in zip(registrations, hooks):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+            twin = copy.deepcopy(model)
+
+            def step(m, x):
+                m.zero_grad(set_to_none=False)
+                m(x).sum().backward()
+                return torch.stack([p.grad.sum() for p in m.parameters()])
+
+            g = autograph.graphed(functools.partial(step, model) if whole_step else model)
+            for i in range(12):
+                x = torch.randn(3, 4, device=device, requires_grad=i % 2 == 0)
+                handle = register(hook) if i == 8 else None
+                try:
+                    got = g(x) if whole_step else step(g, x)
+                    with autograph.disabled():
+                        torch.testing.assert_close(got, step(twin, x))
+                finally:
+                    if handle is not None:
+                        handle.remove()
+            s = autograph.stats(g)
+            assert s["eager_reasons"].get("hooks") == 1 and s["replays"] >= 3, s
+
+
+def test_global_backward_hooks_registered_through_any_name_are_seen(standin):
+    check_global_backward_hooks_registered_through_any_name_are_seen()
+
+
+def test_hook_registrations_bound_before_the_first_graphed_call_are_seen(tmp_path):
+    """``register = nn.Module.register_forward_hook`` bound after ``import autograph``
+    and before the first graphed module: the wrappers that report registrations were
+    installed at the first watched module, so a hook registered through the bound
+    function after capture was skipped by replays.  They are installed at import."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch, autograph
+        from torch import nn
+        from autograph.capture import use_backend
+        from tests.standin import StandinBackend
+        register = nn.Module.register_forward_hook
+        use_backend(StandinBackend())
+        m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).eval()
+        g = autograph.graphed(m)
+        x = torch.randn(2, 4)
+        with torch.no_grad():
+            for _ in range(4):
+                g(x)
+            register(m[2], lambda mod, args, out: torch.full_like(out, 7.0))
+            print(g(x).tolist(), autograph.stats(g)["replays"])
+    """
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, timeout=300, env={**__import__("os").environ,
+                                                     "PYTHONPATH": root})
+    assert out.returncode == 0, out.stderr
+    values, replays = out.stdout.strip().rsplit(" ", 1)
+    assert values == str([[7.0, 7.0], [7.0, 7.0]]) and int(replays) >= 1, out.stdout
+
+
 def check_python_attributes_set_on_outputs_and_parameters(device: str = "cpu") -> None:
     """A call that tags an output it makes (``y.tag = ...``) or counts on a parameter
     (``w.calls += 1``) runs eagerly: replays handed out untagged copies and skipped the

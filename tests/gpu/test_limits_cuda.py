@@ -129,6 +129,7 @@ from ..test_usage import (
     check_flags_read_through_classes_and_globals,
     check_flags_read_through_namespaces_are_seen,
     check_function_modes_are_keyed,
+    check_global_backward_hooks_registered_through_any_name_are_seen,
     check_global_hooks_registered_through_any_name_are_seen,
     check_graphed_modules_inside_fullgraph_compile_and_jit_trace,
     check_higher_order_operators_run_eagerly,
@@ -669,3 +670,7 @@ def test_changes_of_captures_and_eager_paths_drop_other_keys_graphs():
 
 def test_quantized_arguments_run_eagerly():
     check_quantized_arguments_run_eagerly("cuda")
+
+
+def test_global_backward_hooks_registered_through_any_name_are_seen():
+    check_global_backward_hooks_registered_through_any_name_are_seen("cuda")

@@ -61,7 +61,16 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
             return _routed(value, self.__wrapped__, self._self_handle, self)
         return value
 
-    def reset(self) -> None:
+    @property
+    def reset(self) -> Callable[..., Any]:
+        """The module's own ``reset`` where it has one (a recurrent policy's, starting
+        an episode: ``autograph.reset(wrapper)`` drops the graphs then), else a function
+        that drops every graph of this module."""
+        if hasattr(self.__wrapped__, "reset"):
+            return self.__getattr__("reset")  # type: ignore[no-any-return]
+        return self._self_drop_graphs
+
+    def _self_drop_graphs(self) -> None:
         """Drop every graph of this module."""
         self._self_engine.reset()
 

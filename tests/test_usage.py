@@ -3390,3 +3390,51 @@ def test_the_wrappers_forward_is_the_modules(standin):
             torch.testing.assert_close(g(x), lin.weight.new_ones(1) + nn.functional.linear(
                 x, lin.weight, lin.bias))
 
+
+
+class _Recurrent(nn.Module):
+    """A policy with a hidden state and a ``reset`` of its own (episode starts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(4, 8)
+        self.register_buffer("h", torch.zeros(3, 8))
+
+    def reset(self, done=None):
+        if done is None:
+            self.h.zero_()
+        else:
+            self.h.mul_(1 - done[:, None])
+
+    def forward(self, x):
+        self.h.copy_(self.cell(x, self.h))
+        return self.h * 2
+
+
+def check_a_modules_own_reset_is_not_hidden_by_the_wrapper(device="cpu"):
+    """``graphed(policy).reset()`` dropped the graphs instead of running the policy's
+    own ``reset`` (its hidden state carried into the next episode), and ``reset(done)``
+    raised.  The module's ``reset`` runs; ``autograph.reset(wrapper)`` drops graphs."""
+    torch.manual_seed(0)
+    eager = _Recurrent().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    with torch.no_grad():
+        for episode in range(3):
+            done = torch.tensor([1.0, 0.0, 1.0], device=device)
+            args = (done,) if episode == 2 else ()
+            eager.reset(*args)
+            g.reset(*args)
+            for _ in range(4):
+                x = torch.randn(3, 4, device=device)
+                torch.testing.assert_close(g(x), eager(x))
+            torch.testing.assert_close(g.h, eager.h)
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["invalidations"] == 0, s
+    autograph.reset(g)
+    assert autograph.stats(g)["graphs"] == 0
+    plain = autograph.graphed(nn.Linear(2, 2).to(device))
+    plain.reset()  # no reset of its own: drops the graphs
+
+
+def test_a_modules_own_reset_is_not_hidden_by_the_wrapper(standin):
+    check_a_modules_own_reset_is_not_hidden_by_the_wrapper()

@@ -114,6 +114,7 @@ from ..test_usage import (
     check_a_class_attribute_flag_is_seen,
     check_a_compiled_submodule_is_not_compiled_again,
     check_a_forward_that_changes_a_name_it_reads,
+    check_a_modules_own_reset_is_not_hidden_by_the_wrapper,
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_attention_kernel_choices_are_keyed,
@@ -674,3 +675,7 @@ def test_quantized_arguments_run_eagerly():
 
 def test_global_backward_hooks_registered_through_any_name_are_seen():
     check_global_backward_hooks_registered_through_any_name_are_seen("cuda")
+
+
+def test_a_modules_own_reset_is_not_hidden_by_the_wrapper():
+    check_a_modules_own_reset_is_not_hidden_by_the_wrapper("cuda")

@@ -132,6 +132,21 @@ def _undone_if_failed(run_capture: Callable[..., Any], engine: Engine, flat: Fla
         raise
 
 
+def _grad_marks(tensors: Any) -> list[tuple[torch.Tensor, int] | None]:
+    """Which ``.grad`` each tensor requiring grad holds (held: compared by identity),
+    and its version: a backward run inside a call makes a new one or writes that one."""
+    return [None if (g := t.grad) is None else (g, g._version)
+            for t in tensors if t.requires_grad]
+
+
+def _grads_moved(then: list[tuple[torch.Tensor, int] | None],
+                 now: list[tuple[torch.Tensor, int] | None]) -> bool:
+    return len(then) != len(now) or any(
+        (a is None) != (b is None) or (a is not None and b is not None
+                                       and (a[0] is not b[0] or a[1] != b[1]))
+        for a, b in zip(then, now))
+
+
 def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
              device: torch.device) -> Any:
     """Capture the call, replay it once for its result, and keep the graph."""
@@ -153,6 +168,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         changes = engine.watch.training_changes
         run_capture = (training.capturer(stats) if _trains(engine, key, entry, flat)
                        else lifecycle.capture)
+        grads = _grad_marks(engine.watch.tensors()) if entry.contained else []
         try:
             with engine.profiler_range("capture"):
                 captured = _undone_if_failed(run_capture, engine, flat, backend, device,
@@ -194,7 +210,11 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             engine.cache.rekey(key, entry, flat, shared)  # in place (the next call); this
             stats.count_eager(EagerReason.IN_PLACE, warn=False)  # graph read its copy
             return engine.eager(*flat.call())  # (a capture ran no kernel: nothing written)
-        if entry.contained:  # a whole step: its gradients may live in the graph's pool
+        if entry.contained and _grads_moved(grads, _grad_marks(engine.watch.tensors())):
+            # a whole step (a backward inside made or wrote the .grad): its gradients
+            # may live in the graph's pool. (A call that only runs under no_grad inside,
+            # an action chosen, touches none: the next training step's new .grad must
+            # not drop its graph.)
             engine.watch.steps.add_grads(engine.watch.tensors())
         elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
             rotation.rotate(captured, engine.fn, flat, engine.watch, entry.draws is False)

@@ -217,3 +217,50 @@ def check_whole_steps_see_frozen_layers_and_loaded_optimizer_state(device="cpu")
 
 def test_whole_steps_see_frozen_layers_and_loaded_optimizer_state(standin):
     check_whole_steps_see_frozen_layers_and_loaded_optimizer_state()
+
+
+def check_no_grad_calls_under_grad_mode_survive_training_steps(device="cpu"):
+    """A call made under grad mode that runs its modules under ``no_grad`` inside (an
+    action chosen, a Polyak update) was kept as a whole step, and its graph guarded
+    every parameter's ``.grad``: each training step's new ``.grad`` dropped it, so it
+    captured after every step and never replayed.  Only a call whose backward touched
+    the gradients guards them."""
+    torch.manual_seed(0)
+    online = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3)).to(device)
+    target = copy.deepcopy(online)
+    twin, twin_target = copy.deepcopy(online), copy.deepcopy(online)
+
+    def act(net, obs):
+        with torch.no_grad():
+            return net(obs).argmax(-1)
+
+    def soft_update(net, tgt, tau):
+        with torch.no_grad():
+            for p, q in zip(net.parameters(), tgt.parameters()):
+                q.mul_(1 - tau).add_(p * tau)
+
+    g_act = autograph.graphed(lambda obs: act(online, obs))
+    g_update = autograph.graphed(lambda tau: soft_update(online, target, tau))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (online, twin)]
+    tau = torch.tensor(0.1, device=device)
+    for _ in range(8):
+        obs = torch.randn(5, 4, device=device)
+        with autograph.disabled():
+            want = act(twin, obs)
+        assert torch.equal(g_act(obs), want)
+        for net, opt in zip((online, twin), opts):
+            opt.zero_grad(set_to_none=True)
+            net(obs).pow(2).mean().backward()
+            opt.step()
+        g_update(tau)
+        with autograph.disabled():
+            soft_update(twin, twin_target, tau)
+        for p, q in zip(target.parameters(), twin_target.parameters()):
+            torch.testing.assert_close(p, q)
+    for g in (g_act, g_update):
+        s = autograph.stats(g)
+        assert s["replays"] >= 5 and s["invalidations"] == 0, s
+
+
+def test_no_grad_calls_under_grad_mode_survive_training_steps(standin):
+    check_no_grad_calls_under_grad_mode_survive_training_steps()

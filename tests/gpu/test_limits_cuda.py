@@ -152,7 +152,10 @@ from ..test_usage import (
     check_views_of_parameters_are_new_views_per_call,
     check_written_conjugate_and_negative_views,
 )
-from ..test_whole_step import check_whole_steps_see_frozen_layers_and_loaded_optimizer_state
+from ..test_whole_step import (
+    check_no_grad_calls_under_grad_mode_survive_training_steps,
+    check_whole_steps_see_frozen_layers_and_loaded_optimizer_state,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -679,3 +682,7 @@ def test_global_backward_hooks_registered_through_any_name_are_seen():
 
 def test_a_modules_own_reset_is_not_hidden_by_the_wrapper():
     check_a_modules_own_reset_is_not_hidden_by_the_wrapper("cuda")
+
+
+def test_no_grad_calls_under_grad_mode_survive_training_steps():
+    check_no_grad_calls_under_grad_mode_survive_training_steps("cuda")

@@ -161,7 +161,8 @@ class _Walk:
         self.nodes: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.ids: dict[int, int] = {}
-        self.known = reachable(known)
+        # (not all found: an object that is none of them may still be one, held as is)
+        self.known, self.complete = reachable(known)
         self.outside = outside
         # the call's own leaves (by id: their position), which a replay takes from the
         # call it makes
@@ -207,6 +208,8 @@ class _Walk:
                 return self._refuse(f"a {type(value).__name__} that is no plain tensor")
             self.tensors.append(value)
             return ("tensor", len(self.tensors) - 1)
+        if not self.complete:
+            return self._refuse("more values reachable from the modules than are walked")
         if type(value) is list:
             return self._children("list", list, value)
         if type(value) is dict:
@@ -288,10 +291,10 @@ def _slot_names(cls: type) -> list[str]:
     return names
 
 
-def reachable(roots: Iterable[Any], limit: int = MAX_NODES) -> set[int]:
+def reachable(roots: Iterable[Any], limit: int = MAX_NODES) -> tuple[set[int], bool]:
     """The ids of ``roots`` and of the containers and plain objects they reach (not
     into tensors or modules' internals): what a call's output may hold that existed
-    before the call."""
+    before the call; and whether that is all of them (past ``limit`` it stops)."""
     seen: set[int] = set()
     stack = list(roots)
     while stack and len(seen) < limit:
@@ -310,7 +313,7 @@ def reachable(roots: Iterable[Any], limit: int = MAX_NODES) -> set[int]:
             continue  # its attributes are roots of their own (the watched modules')
         else:
             stack.extend(getattr(value, "__dict__", {}).values())
-    return seen
+    return seen, not stack
 
 
 def containers_of(output: Any) -> set[int]:

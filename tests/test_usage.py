@@ -797,6 +797,53 @@ def test_objects_the_call_returns(standin):
     check_objects_the_call_returns()
 
 
+class _Vocab:
+    def __init__(self):
+        self.labels = ["neg", "pos"]
+
+
+class _Pred:
+    def __init__(self, logits, vocab):
+        self.logits, self.vocab = logits, vocab
+
+
+class _WithTable(nn.Module):
+    """Holds a large table of plain values (a tokenizer's merges) and a vocabulary
+    object that its forward returns inside a new object."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.vocab = _Vocab()
+        self.lin = nn.Linear(4, 2)
+        self.merges = [(f"a{i}", f"b{i}") for i in range(n)]
+
+    def forward(self, x):
+        return _Pred(self.lin(x), self.vocab)
+
+
+def check_objects_past_the_walk_limit_are_not_copied(device="cpu"):
+    """A returned object holding an object that existed before the call is that very
+    object, also where the modules hold more values than the walk that finds such
+    objects reads (``returned.MAX_NODES``): past it, replays handed back a copy made
+    at capture (its contents stale).  Now such a call runs eagerly."""
+    for n in (10, 20_000):
+        m = _WithTable(n).to(device)
+        g = autograph.graphed(m)
+        with torch.no_grad():
+            for i in range(5):
+                m.vocab.labels[1] = f"pos{i}"
+                x = torch.randn(3, 4, device=device)
+                got = g(x)
+                assert got.vocab is m.vocab, (n, i)
+                torch.testing.assert_close(got.logits, m.lin(x))
+        s = autograph.stats(g)
+        assert s["replays"] >= 2 if n == 10 else s["replays"] == 0, (n, s)
+
+
+def test_objects_past_the_walk_limit_are_not_copied(standin):
+    check_objects_past_the_walk_limit_are_not_copied()
+
+
 class _Private:
     __slots__ = ("__state", "out")  # stored as _Private__state
 

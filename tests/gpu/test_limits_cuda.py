@@ -136,6 +136,7 @@ from ..test_usage import (
     check_higher_order_operators_run_eagerly,
     check_lists_and_dicts_a_module_holds,
     check_lists_and_dicts_named_as_globals_or_cells,
+    check_objects_past_the_walk_limit_are_not_copied,
     check_objects_the_call_returns,
     check_outputs_keep_the_class_and_requires_grad_the_call_gave_them,
     check_overlapping_outputs_keep_their_layout,
@@ -686,3 +687,7 @@ def test_a_modules_own_reset_is_not_hidden_by_the_wrapper():
 
 def test_no_grad_calls_under_grad_mode_survive_training_steps():
     check_no_grad_calls_under_grad_mode_survive_training_steps("cuda")
+
+
+def test_objects_past_the_walk_limit_are_not_copied():
+    check_objects_past_the_walk_limit_are_not_copied("cuda")

@@ -271,9 +271,22 @@ def _plain_class(cls: type) -> bool:
     for klass in cls.__mro__[:-1]:
         if klass.__module__ == "builtins" and klass is not object:
             return False  # a dict or list subclass: its items are not in __dict__
-        if any(name in vars(klass) for name in _PROTOCOL):
+        own = vars(klass)
+        if any(name in own and own[name] not in _PLAIN_PROTOCOL for name in _PROTOCOL):
             return False
     return True
+
+
+def _plain_protocol() -> frozenset[Any]:
+    """Copy protocols that copy plainly: a distribution transform's ``__getstate__``
+    only drops the weak reference to its inverse (a ``TanhTransform`` in SAC's policy
+    distribution; a transform that holds one is refused by the walk)."""
+    transform = getattr(getattr(torch.distributions, "transforms", None), "Transform", None)
+    state = vars(transform).get("__getstate__") if transform is not None else None
+    return frozenset({state} if state is not None else ())
+
+
+_PLAIN_PROTOCOL = _plain_protocol()
 
 
 def _slot_names(cls: type) -> list[str]:

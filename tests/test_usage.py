@@ -844,6 +844,54 @@ def test_objects_past_the_walk_limit_are_not_copied(standin):
     check_objects_past_the_walk_limit_are_not_copied()
 
 
+def check_transformed_distributions_are_returned_by_replays(device="cpu"):
+    """A policy returning a ``TransformedDistribution`` (SAC's tanh-squashed Normal)
+    ran eagerly for good: a transform's ``__getstate__``, which only drops the weak
+    reference to its inverse, counted as a copy protocol of its own.  Each replay
+    returns new distribution and transform objects; samples (drawn from the same seed)
+    and log-probabilities equal eager's, with gradients under grad mode."""
+    import torch.distributions as D
+
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).to(device)
+
+    def policy(s):
+        mu, log_std = lin(s).chunk(2, -1)
+        base = D.Normal(mu, log_std.exp(), validate_args=False)
+        return D.TransformedDistribution(base, [D.TanhTransform(cache_size=1)],
+                                         validate_args=False)
+
+    g = autograph.graphed(policy)
+    seen = []
+    for grad in (False, True):
+        for _ in range(5):
+            s = torch.randn(5, 3, device=device)
+            with torch.set_grad_enabled(grad):
+                torch.manual_seed(1)
+                got = g(s)
+                a = got.rsample()
+                lp = got.log_prob(a).sum()
+                with autograph.disabled():
+                    torch.manual_seed(1)
+                    want = policy(s)
+                    b = want.rsample()
+                    lq = want.log_prob(b).sum()
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(lp, lq)
+            assert type(got.transforms[0]) is D.TanhTransform
+            seen.append(got.transforms[0])
+            if grad:
+                gl, = torch.autograd.grad(lp, lin.weight)
+                gw, = torch.autograd.grad(lq, lin.weight)
+                torch.testing.assert_close(gl, gw)
+    assert len({id(t) for t in seen}) == len(seen)
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+def test_transformed_distributions_are_returned_by_replays(standin):
+    check_transformed_distributions_are_returned_by_replays()
+
+
 class _Private:
     __slots__ = ("__state", "out")  # stored as _Private__state
 

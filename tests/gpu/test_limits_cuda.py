@@ -150,6 +150,7 @@ from ..test_usage import (
     check_shared_outputs_keep_conjugate_and_negative_bits,
     check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
+    check_transformed_distributions_are_returned_by_replays,
     check_views_of_parameters_are_new_views_per_call,
     check_written_conjugate_and_negative_views,
 )
@@ -691,3 +692,7 @@ def test_no_grad_calls_under_grad_mode_survive_training_steps():
 
 def test_objects_past_the_walk_limit_are_not_copied():
     check_objects_past_the_walk_limit_are_not_copied("cuda")
+
+
+def test_transformed_distributions_are_returned_by_replays():
+    check_transformed_distributions_are_returned_by_replays("cuda")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import types
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -127,12 +128,14 @@ class Spliced:
             out = made[k] = []
             out.extend(self._make(c, tensors, made, leaves) for c in node[2])
         elif kind == "dict":
-            out = made[k] = {}
+            out = made[k] = node[1]()
             out.update((self._make(a, tensors, made, leaves),
                         self._make(b, tensors, made, leaves)) for a, b in node[2])
         elif kind == "tuple":
             items = [self._make(c, tensors, made, leaves) for c in node[2]]
             out = tuple(items) if node[1] is tuple else node[1](*items)
+        elif kind == "structseq":  # a torch.return_types tuple: made from a sequence
+            out = node[1](tuple(self._make(c, tensors, made, leaves) for c in node[2]))
         else:  # an object: made first (a cycle back to it finds it), then filled
             cls, names, slots = node[1], node[2], node[3]
             out = made[k] = cls.__new__(cls)
@@ -212,16 +215,18 @@ class _Walk:
             return self._refuse("more values reachable from the modules than are walked")
         if type(value) is list:
             return self._children("list", list, value)
-        if type(value) is dict:
+        if type(value) is dict or type(value) is OrderedDict:
             pairs = []
             for a, b in value.items():
                 ka, kb = self.node(a), self.node(b)
                 if ka is None or kb is None:
                     return None
                 pairs.append((ka, kb))
-            return ("dict", dict, pairs)
+            return ("dict", type(value), pairs)
         if isinstance(value, tuple) and (type(value) is tuple or hasattr(value, "_fields")):
             return self._children("tuple", type(value), value)
+        if isinstance(value, tuple) and hasattr(type(value), "n_fields"):  # ``x.topk(2)``
+            return self._children("structseq", type(value), value)
         return self._object(value)
 
     def _children(self, kind: str, cls: type, items: Any) -> Any:

@@ -892,6 +892,38 @@ def test_transformed_distributions_are_returned_by_replays(standin):
     check_transformed_distributions_are_returned_by_replays()
 
 
+class _Out:
+    def __init__(self, d, top):
+        self.d, self.top = d, top
+
+
+def check_objects_holding_ordered_dicts_and_return_types(device="cpu"):
+    """A returned object holding an ``OrderedDict`` or a ``torch.return_types`` tuple
+    (``x.topk(2)``), both pytree containers, ran eagerly for good ("made otherwise").
+    Each replay makes them again, of their own types, equal to eager's."""
+    w = torch.randn(4, 4, device=device)
+
+    def f(x):
+        y = x @ w
+        return _Out(collections.OrderedDict(a=y * 2, b=[y + 1]), y.topk(2))
+
+    g = autograph.graphed(f)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(3, 4, device=device)
+            got, want = g(x), f(x)
+            assert type(got.d) is collections.OrderedDict and list(got.d) == ["a", "b"]
+            assert type(got.top) is type(want.top)
+            torch.testing.assert_close(got.d["b"][0], want.d["b"][0])
+            torch.testing.assert_close(got.top.values, want.top.values)
+            assert torch.equal(got.top.indices, want.top.indices)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_objects_holding_ordered_dicts_and_return_types(standin):
+    check_objects_holding_ordered_dicts_and_return_types()
+
+
 class _Private:
     __slots__ = ("__state", "out")  # stored as _Private__state
 

@@ -136,6 +136,7 @@ from ..test_usage import (
     check_higher_order_operators_run_eagerly,
     check_lists_and_dicts_a_module_holds,
     check_lists_and_dicts_named_as_globals_or_cells,
+    check_objects_holding_ordered_dicts_and_return_types,
     check_objects_past_the_walk_limit_are_not_copied,
     check_objects_the_call_returns,
     check_outputs_keep_the_class_and_requires_grad_the_call_gave_them,
@@ -696,3 +697,7 @@ def test_objects_past_the_walk_limit_are_not_copied():
 
 def test_transformed_distributions_are_returned_by_replays():
     check_transformed_distributions_are_returned_by_replays("cuda")
+
+
+def test_objects_holding_ordered_dicts_and_return_types():
+    check_objects_holding_ordered_dicts_and_return_types("cuda")

@@ -54,7 +54,7 @@ class Spliced:
     def find(flat: list[Any], skip: Any = (),
              known: Callable[[], Iterable[Any]] = tuple,
              outside: Callable[[], Any] = tuple,
-             leaves: Callable[[], Sequence[Any]] = tuple
+             leaves: Callable[[], Sequence[Any]] = tuple, any_tensor: bool = False
              ) -> Spliced | None:
         """The objects among ``flat`` (none whose id is in ``skip``: object arguments
         returned as they are), walked, or None if there is none.  ``known()``: values
@@ -62,13 +62,15 @@ class Spliced:
         ``outside()``: the output's containers outside the objects (pytree's: reached
         from inside an object, the key runs eagerly); both asked for only where a leaf
         may be an object; ``leaves()``: the call's flat leaves (an object argument held
-        by a returned object is the next call's own, as eager returns it).  Raises
-        :class:`Refused` where an object cannot be made again."""
+        by a returned object is the next call's own, as eager returns it);
+        ``any_tensor``: a walk for comparing outputs, which takes a parameter or a
+        strided tensor subclass as a tensor.  Raises :class:`Refused` where an object cannot
+        be made again."""
         candidates = [k for k, value in enumerate(flat) if id(value) not in skip
                       and not isinstance(value, (torch.Tensor, *_ATOMS))]
         if not candidates:
             return None
-        walk = _Walk(known(), outside(), leaves())
+        walk = _Walk(known(), outside(), leaves(), any_tensor)
         spans = []
         for k in candidates:
             value = flat[k]
@@ -159,8 +161,9 @@ class Refused(Exception):
 class _Walk:
     """Numbers every value reachable from the returned objects once (by identity)."""
 
-    def __init__(self, known: Iterable[Any], outside: Any, leaves: Sequence[Any] = ()
-                 ) -> None:
+    def __init__(self, known: Iterable[Any], outside: Any, leaves: Sequence[Any] = (),
+                 any_tensor: bool = False) -> None:
+        self.any_tensor = any_tensor
         self.nodes: list[Any] = []
         self.tensors: list[torch.Tensor] = []
         self.ids: dict[int, int] = {}
@@ -207,7 +210,8 @@ class _Walk:
         if id(value) in self.outside:
             return self._refuse("a container the output also holds outside the object")
         if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor or value.layout is not torch.strided:
+            if value.layout is not torch.strided or (not self.any_tensor
+                                                     and type(value) is not torch.Tensor):
                 return self._refuse(f"a {type(value).__name__} that is no plain tensor")
             self.tensors.append(value)
             return ("tensor", len(self.tensors) - 1)
@@ -356,7 +360,7 @@ def open_leaf(value: Any) -> list[Any] | None:
     if isinstance(value, (torch.Tensor, *_ATOMS)):
         return None
     try:
-        found = Spliced.find([value])
+        found = Spliced.find([value], any_tensor=True)
     except Refused:
         return None
     return found.tensors if found is not None else None

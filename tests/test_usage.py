@@ -924,6 +924,35 @@ def test_objects_holding_ordered_dicts_and_return_types(standin):
     check_objects_holding_ordered_dicts_and_return_types()
 
 
+class _HoldsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _HoldsModule(self.lin.weight, self.lin(x))
+
+
+def check_verified_objects_holding_parameters(device="cpu"):
+    """``verify_every`` compared a returned object holding a parameter as one opaque
+    value (two objects: never equal), so every such key failed its verification and
+    ran eagerly for good.  Objects are compared by their tensors, parameters too."""
+    m = _HoldsWeight().to(device)
+    g = autograph.graphed(m, verify_every=1)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 4, device=device)
+            got = g(x)
+            assert got.m is m.lin.weight
+            torch.testing.assert_close(got.y, m.lin(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["verify_failures"] == 0 and s["verifications"] >= 3, s
+
+
+def test_verified_objects_holding_parameters(standin):
+    check_verified_objects_holding_parameters()
+
+
 class _Private:
     __slots__ = ("__state", "out")  # stored as _Private__state
 

@@ -152,6 +152,7 @@ from ..test_usage import (
     check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
     check_transformed_distributions_are_returned_by_replays,
+    check_verified_objects_holding_parameters,
     check_views_of_parameters_are_new_views_per_call,
     check_written_conjugate_and_negative_views,
 )
@@ -701,3 +702,7 @@ def test_transformed_distributions_are_returned_by_replays():
 
 def test_objects_holding_ordered_dicts_and_return_types():
     check_objects_holding_ordered_dicts_and_return_types("cuda")
+
+
+def test_verified_objects_holding_parameters():
+    check_verified_objects_holding_parameters("cuda")

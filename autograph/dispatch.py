@@ -16,7 +16,17 @@ from typing import Any
 
 import torch
 
-from . import containers, lifecycle, notify, recording, replay, shortcut, verify, vocab
+from . import (
+    containers,
+    lifecycle,
+    notify,
+    recording,
+    replay,
+    shortcut,
+    training,
+    verify,
+    vocab,
+)
 from . import stats as _stats
 from . import switch as _switch
 from .arguments import Misfit, Positional, no_misfit
@@ -246,8 +256,14 @@ class Engine:
                 raise Uncapturable(EagerReason.HOOKS, hooked)
         if watch.collects and notify.collector():
             raise Uncapturable(EagerReason.HOOKS, COLLECTED)
-        if key.modes[0] and notify.global_backward_hooks():  # (set up as modules run)
-            raise Uncapturable(EagerReason.HOOKS, notify.GLOBAL_BACKWARD)
+        if key.modes[0]:  # backward hooks: set up as modules run, where autograd records
+            if notify.global_backward_hooks():
+                raise Uncapturable(EagerReason.HOOKS, notify.GLOBAL_BACKWARD)
+            if watch.backward_recheck:
+                why = training.backward_hooks(watch)
+                if why:
+                    raise Uncapturable(EagerReason.HOOKS, why)
+                watch.backward_recheck = False
         if key.modes[0] and self._autograd_records(flat):
             if not self.trains:
                 raise Uncapturable(EagerReason.AUTOGRAD)

@@ -123,6 +123,10 @@ class Watch:
         self.assignments: list[tuple[nn.Module, str, Any]] = []
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
+        # a module backward hook was registered since: calls autograd records look for
+        # them (``training.backward_hooks``) and run eagerly while there are any; the
+        # graphs, right without them, replay again once they are removed
+        self.backward_recheck = False
         # transformers' collecting hooks are on the modules (notify.collecting)
         self.collects = False
         # a scripted module whose code assigns an attribute (notify.script_assigns)
@@ -526,6 +530,8 @@ class Watch:
             self._training = None  # read again at the next call: it is in the key
             self.training_changes += 1  # (a capture under way compares it)
             return
+        if name == _HOOK_KIND:  # torch's note of a backward hook's kind (the hook counts)
+            return
         if self in getattr(_local, "running", ()):
             self.assigned = self.assigned or f"{type(module).__name__}.{name}"
             if not any(m is module and n == name for m, n, _ in self.assignments):
@@ -566,6 +572,7 @@ class Watch:
         return True
 
 
+_HOOK_KIND = "_is_full_backward_hook"  # set by nn.Module's backward hook registration
 _FLAG_TYPES = frozenset({bool, str, type(None)})
 MAX_FLAG_VALUES = 8  # values of a flag keyed; past them it drops the graphs per value
 _ABSENT = "<autograph: no such attribute>"  # a flag deleted, or its module gone

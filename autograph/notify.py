@@ -72,8 +72,8 @@ def _swap(module: nn.Module, name: str, value: Any) -> bool:
 
 
 def _hooks_added(module: nn.Module | None, backward: bool = False) -> None:
-    """A hook was registered on ``module`` (None: a global one, every watch): forward
-    hooks are read again at the next call; a backward hook drops the graphs."""
+    """A hook was registered on ``module`` (None: a global one, every watch): hooks are
+    read again at the next call (backward hooks: at the next call autograd records)."""
     with watched_lock:
         if module is None:
             found = [w for ws in watched.values() for w in ws]
@@ -81,7 +81,7 @@ def _hooks_added(module: nn.Module | None, backward: bool = False) -> None:
             found = list(watched.get(id(module), ()))
     for watch in found:
         if backward:
-            watch.dirty = watch.altered = True
+            watch.backward_recheck = True
         else:
             watch.hook_reason = RECHECK
 

@@ -115,7 +115,8 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
                 or cache.inplace or cache.pinning
                 or (n > 1 and _aliases(args, tensor_pos) != aliases)
                 or (cache.state_bases and sharers(args, tensor_pos, cache.state_bases))
-                or (training_key and (saved_hooks() or any(backward_hooks)))):
+                or (training_key and (saved_hooks() or any(backward_hooks)
+                                      or watch.backward_recheck))):
             return MISS
         try:
             result = run(args)

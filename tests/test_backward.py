@@ -1840,6 +1840,52 @@ def test_a_removed_backward_hook_gives_the_graphs_back(standin):
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
 
 
+def check_backward_hooks_registered_and_removed_keep_the_graphs(device="cpu"):
+    """A Grad-CAM loop: a full backward hook (and a pre-hook) registered for one call,
+    removed, then plain calls.  Registering one dropped every graph, so the plain calls
+    warmed up again and never replayed.  Hooked calls run eagerly, their hooks firing
+    as eager's do; the graphs, right without hooks, replay once they are removed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model)
+
+    def step(m, x):
+        m.zero_grad(set_to_none=True)
+        m(x).sum().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    for _ in range(4):
+        x = torch.randn(4, 8, device=device)
+        step(g, x)
+        step(twin, x)
+    fired = {"graphed": [], "eager": []}
+    handles = {}
+    for r in range(6):
+        for m, name in ((model, "graphed"), (twin, "eager")):
+            register = (m[0].register_full_backward_hook if r % 2 else
+                        m[2].register_full_backward_pre_hook)
+            hook = (lambda _, gi, go, n=name: fired[n].append(gi[0].sum().item())) if r % 2 \
+                else (lambda _, go, n=name: fired[n].append(go[0].sum().item()))
+            handles[name] = register(hook)
+        x = torch.randn(4, 8, device=device, requires_grad=True)
+        for a, b in zip(step(g, x), step(twin, x)):
+            torch.testing.assert_close(a, b)
+        for handle in handles.values():
+            handle.remove()
+        before = autograph.stats(g)["replays"]
+        x = torch.randn(4, 8, device=device)
+        for a, b in zip(step(g, x), step(twin, x)):
+            torch.testing.assert_close(a, b)
+        assert autograph.stats(g)["replays"] == before + 1, (r, autograph.stats(g))
+    assert len(fired["graphed"]) == len(fired["eager"]) == 6
+    torch.testing.assert_close(torch.tensor(fired["graphed"]), torch.tensor(fired["eager"]))
+
+
+def test_backward_hooks_registered_and_removed_keep_the_graphs(standin):
+    check_backward_hooks_registered_and_removed_keep_the_graphs()
+
+
 def check_a_gradient_kept_through_its_storage_is_not_overwritten(device="cpu"):
     """A caller keeping an earlier step's ``.grad`` only through its storage object
     (``p.grad.untyped_storage()``): the next backward replay does not write into it (its

@@ -19,6 +19,7 @@ from ..test_backward import (
     check_a_single_training_output_can_be_written_in_place,
     check_anomaly_mode_and_disabled_saved_tensor_hooks_pass,
     check_another_threads_backward_is_not_the_calls,
+    check_backward_hooks_registered_and_removed_keep_the_graphs,
     check_chunked_outputs_of_a_pending_call,
     check_eager_steps_before_graphed_training,
     check_forward_ad_and_batched_gradients,
@@ -706,3 +707,7 @@ def test_objects_holding_ordered_dicts_and_return_types():
 
 def test_verified_objects_holding_parameters():
     check_verified_objects_holding_parameters("cuda")
+
+
+def test_backward_hooks_registered_and_removed_keep_the_graphs():
+    check_backward_hooks_registered_and_removed_keep_the_graphs("cuda")

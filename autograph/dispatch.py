@@ -258,11 +258,11 @@ class Engine:
             raise Uncapturable(EagerReason.HOOKS, COLLECTED)
         if key.modes[0]:  # backward hooks: set up as modules run, where autograd records
             if notify.global_backward_hooks():
-                raise Uncapturable(EagerReason.HOOKS, notify.GLOBAL_BACKWARD)
+                raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, notify.GLOBAL_BACKWARD)
             if watch.backward_recheck:
                 why = training.backward_hooks(watch)
                 if why:
-                    raise Uncapturable(EagerReason.HOOKS, why)
+                    raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, why)
                 watch.backward_recheck = False
         if key.modes[0] and self._autograd_records(flat):
             if not self.trains:

@@ -37,6 +37,8 @@ MOVED_AWAY = ("its entry was dropped (a reset, an eviction) or moved to another 
 # After this many keys given up after failed captures, with no replay ever, a callable
 # stops trying (``Engine.given_up``).
 GIVE_UP_FAILURES = 3
+UNSEEN_GRAD = ("an output requires grad, but no argument or parameter does (a leaf the "
+               "call makes, or a tensor requiring grad read from elsewhere)")
 # a plain graph under grad mode whose parameters require grad again (replay.unless_unfrozen)
 UNFROZEN = (EagerReason.WARMUP, "a parameter requires grad again: capturing again")
 
@@ -63,6 +65,10 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         if lifecycle.lock_timeouts() != timeouts and warmed.problem is None:
             warmed.problem = Uncapturable(EagerReason.CAPTURE_FAILED,
                                           lifecycle.WAITS_ON_THREADS)
+    if engine.trains and key.modes[0] and warmed.problem is not None \
+            and warmed.problem.reason is EagerReason.AUTOGRAD:
+        # called under grad mode, graphed for training: but nothing it takes requires grad
+        warmed.problem = Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, UNSEEN_GRAD)
     if (trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out)
             and not flat.requires_grad()):
         # nothing autograd recorded leaves the call (and no argument gets a .grad,

@@ -992,6 +992,32 @@ def test_grad_enabled_inside_a_no_grad_call_keeps_autograd_history():
     check_grad_enabled_inside_under_no_grad()
 
 
+def check_outputs_requiring_grad_of_nothing_that_does(device="cpu"):
+    """Under grad mode, a call whose output requires grad though no argument or
+    parameter does (a leaf it marks, an ``nn.Parameter`` it makes, a global tensor
+    requiring grad) runs eagerly as eager returns it, with the reason
+    ``backward_unsupported`` saying so (it said ``autograd``, blaming
+    ``backward=False``, which was not set)."""
+    w = torch.randn(3, device=device, requires_grad=True)
+    fns = [lambda x: (x * 2).requires_grad_(), lambda x: nn.Parameter(x * 2),
+           lambda x: x * w]
+    for fn in fns:
+        g = autograph.graphed(fn)
+        for _ in range(4):
+            x = torch.randn(3, device=device)
+            a, b = g(x), fn(x)
+            torch.testing.assert_close(a, b)
+            assert (a.requires_grad, a.is_leaf, type(a)) == (b.requires_grad, b.is_leaf, type(b))
+        s = autograph.stats(g)
+        assert s["replays"] == 0 and "autograd" not in s["eager_reasons"], s
+        assert "no argument or parameter" in next(iter(
+            s["eager_details"]["backward_unsupported"])), s
+
+
+def test_outputs_requiring_grad_of_nothing_that_does(standin):
+    check_outputs_requiring_grad_of_nothing_that_does()
+
+
 def check_parameter_hooks_run_once(device="cpu"):
     """Gradient hooks on parameters (``param.register_hook``) run once per backward, as in
     eager mode: not inside the captured backward graph and again when autograd

@@ -27,6 +27,7 @@ from ..test_backward import (
     check_grad_mode_inference_of_a_batch_norm_model,
     check_objects_made_by_a_training_call_take_gradients,
     check_output_saved_for_backward_written_in_place_raises,
+    check_outputs_requiring_grad_of_nothing_that_does,
     check_parameter_hooks_run_once,
     check_parameters_given_new_shapes_through_data_keep_training,
     check_parameters_swapped_for_new_objects_at_the_same_address,
@@ -711,3 +712,7 @@ def test_verified_objects_holding_parameters():
 
 def test_backward_hooks_registered_and_removed_keep_the_graphs():
     check_backward_hooks_registered_and_removed_keep_the_graphs("cuda")
+
+
+def test_outputs_requiring_grad_of_nothing_that_does():
+    check_outputs_requiring_grad_of_nothing_that_does("cuda")

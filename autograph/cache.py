@@ -60,8 +60,9 @@ class Entry:
 
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
-        "used", "digest", "repeat", "direct", "contained", "warm_first", "draws", "shaped",
-        "syncs", "assigned_once", "kept_at", "cold", "hooked", "rng_drew", "rng_set_once",
+        "used", "digest", "repeat", "direct", "contained", "backward_inside", "warm_first",
+        "draws", "shaped", "syncs", "assigned_once", "kept_at", "cold", "hooked", "rng_drew",
+        "rng_set_once",
     )
 
     def __init__(self) -> None:
@@ -81,6 +82,8 @@ class Entry:
         # autograd records the call, but its work begins and ends inside it (a whole
         # training step: backward and optimizer step inside): one plain graph
         self.contained = False
+        # its learning warmup ran a backward inside (the .grad it makes or writes: guarded)
+        self.backward_inside = False
         # warm up at least once before capturing (its last capture raised)
         self.warm_first = False
         # whether the call draws random numbers on the device, as its warmup found

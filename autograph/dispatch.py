@@ -256,15 +256,16 @@ class Engine:
                 raise Uncapturable(EagerReason.HOOKS, hooked)
         if watch.collects and notify.collector():
             raise Uncapturable(EagerReason.HOOKS, COLLECTED)
-        if key.modes[0]:  # backward hooks: set up as modules run, where autograd records
+        if key.modes[0] and self._autograd_records(flat):
+            # backward hooks: set up as modules run, where autograd records
             if notify.global_backward_hooks():
                 raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, notify.GLOBAL_BACKWARD)
             if watch.backward_recheck:
+                watch.backward_recheck = False  # (before the look: one registered meanwhile)
                 why = training.backward_hooks(watch)
                 if why:
+                    watch.backward_recheck = True
                     raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, why)
-                watch.backward_recheck = False
-        if key.modes[0] and self._autograd_records(flat):
             if not self.trains:
                 raise Uncapturable(EagerReason.AUTOGRAD)
             if flat.inference():  # eager mode raises when autograd saves one

@@ -123,7 +123,8 @@ class WritesFound(Exception):
 class Warmed:
     """What one warmup run learned."""
 
-    __slots__ = ("out", "written", "hidden", "seeded", "seconds", "problem", "drew")
+    __slots__ = ("out", "written", "hidden", "seeded", "seconds", "problem", "drew",
+                 "backward")
 
     def __init__(self, out: Any, written: set[int], hidden: list[torch.Tensor],
                  seeded: bool | None, seconds: float, problem: Uncapturable | None,
@@ -135,6 +136,7 @@ class Warmed:
         self.seconds = seconds
         self.problem = problem  # why graphs would get this call wrong, or None
         self.drew = drew  # what it did to the device's generator
+        self.backward = False  # it ran a backward inside (a whole step; training.warm)
 
 
 def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
@@ -534,7 +536,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _try_build(build, leaves)
     _check_inference(getattr(build, "pool_outputs", ()))
     state_written = [state[-1 - i] for i in recorder.written if i < 0]
-    owners = [*watch.tensors(), *(leaves[i] for i in inplace)]
+    owners = [*watch.tensors(), *watch.named(), *(leaves[i] for i in inplace)]
     grads_of = [*stepped.parameters(), *(
         [t for t in owners if t.is_leaf and t.requires_grad] if reads_grad
         else _grads_read(recorder.hidden.values(), owners))]

@@ -70,6 +70,14 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
             return self.__getattr__("reset")  # type: ignore[no-any-return]
         return self._self_drop_graphs
 
+    @reset.setter
+    def reset(self, value: Any) -> None:
+        self.__wrapped__.reset = value
+
+    @reset.deleter
+    def reset(self) -> None:
+        delattr(self.__wrapped__, "reset")
+
     def _self_drop_graphs(self) -> None:
         """Drop every graph of this module."""
         self._self_engine.reset()

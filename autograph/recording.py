@@ -60,8 +60,11 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         trains = _trains(engine, key, entry, flat)
         run_warm = training.warm if trains else lifecycle.warm
         timeouts = lifecycle.lock_timeouts()
+        learn = entry.runs == 0
         warmed = run_warm(engine.fn, flat, backend, device, engine.watch,
-                          learn=entry.runs == 0, timed=timed)
+                          learn=learn, timed=timed)
+        if learn:
+            entry.backward_inside = warmed.backward
         if lifecycle.lock_timeouts() != timeouts and warmed.problem is None:
             warmed.problem = Uncapturable(EagerReason.CAPTURE_FAILED,
                                           lifecycle.WAITS_ON_THREADS)
@@ -138,6 +141,12 @@ def _undone_if_failed(run_capture: Callable[..., Any], engine: Engine, flat: Fla
         raise
 
 
+def _leaves(watch: Any) -> list[torch.Tensor]:
+    """The watched tensors that may hold a ``.grad``: parameters and buffers, and the
+    tensors the code names (a global weight a whole step trains)."""
+    return [*watch.tensors(), *watch.named()]
+
+
 def _grad_marks(tensors: Any) -> list[tuple[torch.Tensor, int] | None]:
     """Which ``.grad`` each tensor requiring grad holds (held: compared by identity),
     and its version: a backward run inside a call makes a new one or writes that one."""
@@ -174,7 +183,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         changes = engine.watch.training_changes
         run_capture = (training.capturer(stats) if _trains(engine, key, entry, flat)
                        else lifecycle.capture)
-        grads = _grad_marks(engine.watch.tensors()) if entry.contained else []
+        grads = _grad_marks(_leaves(engine.watch)) if entry.contained else []
         try:
             with engine.profiler_range("capture"):
                 captured = _undone_if_failed(run_capture, engine, flat, backend, device,
@@ -216,12 +225,13 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             engine.cache.rekey(key, entry, flat, shared)  # in place (the next call); this
             stats.count_eager(EagerReason.IN_PLACE, warn=False)  # graph read its copy
             return engine.eager(*flat.call())  # (a capture ran no kernel: nothing written)
-        if entry.contained and _grads_moved(grads, _grad_marks(engine.watch.tensors())):
+        if entry.contained and (entry.backward_inside
+                                or _grads_moved(grads, _grad_marks(_leaves(engine.watch)))):
             # a whole step (a backward inside made or wrote the .grad): its gradients
-            # may live in the graph's pool. (A call that only runs under no_grad inside,
-            # an action chosen, touches none: the next training step's new .grad must
-            # not drop its graph.)
-            engine.watch.steps.add_grads(engine.watch.tensors())
+            # may live in the graph's pool, and its backward reads what .grad holds.
+            # (A call that only runs under no_grad inside, an action chosen, touches
+            # none: the next training step's new .grad must not drop its graph.)
+            engine.watch.steps.add_grads(_leaves(engine.watch))
         elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
             rotation.rotate(captured, engine.fn, flat, engine.watch, entry.draws is False)
         try:

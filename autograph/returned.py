@@ -229,7 +229,8 @@ class _Walk:
             return ("dict", type(value), pairs)
         if isinstance(value, tuple) and (type(value) is tuple or hasattr(value, "_fields")):
             return self._children("tuple", type(value), value)
-        if isinstance(value, tuple) and hasattr(type(value), "n_fields"):  # ``x.topk(2)``
+        if isinstance(value, tuple) and getattr(type(value), "n_fields", -1) == getattr(
+                type(value), "n_sequence_fields", None):  # ``x.topk(2)``: no hidden fields
             return self._children("structseq", type(value), value)
         return self._object(value)
 
@@ -325,6 +326,8 @@ def reachable(roots: Iterable[Any], limit: int = MAX_NODES) -> tuple[set[int], b
             if isinstance(value, torch.Tensor):
                 seen.add(id(value))
             continue
+        if type(value) is tuple and all(isinstance(v, _ATOMS) for v in value):
+            continue  # (a merges table's pairs: made again, they are equal tuples)
         seen.add(id(value))
         if isinstance(value, (list, tuple, set, frozenset)):
             stack.extend(value)

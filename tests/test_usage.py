@@ -811,11 +811,11 @@ class _WithTable(nn.Module):
     """Holds a large table of plain values (a tokenizer's merges) and a vocabulary
     object that its forward returns inside a new object."""
 
-    def __init__(self, n):
+    def __init__(self, n, kind=tuple):
         super().__init__()
         self.vocab = _Vocab()
         self.lin = nn.Linear(4, 2)
-        self.merges = [(f"a{i}", f"b{i}") for i in range(n)]
+        self.merges = [kind((f"a{i}", f"b{i}")) for i in range(n)]
 
     def forward(self, x):
         return _Pred(self.lin(x), self.vocab)
@@ -825,9 +825,10 @@ def check_objects_past_the_walk_limit_are_not_copied(device="cpu"):
     """A returned object holding an object that existed before the call is that very
     object, also where the modules hold more values than the walk that finds such
     objects reads (``returned.MAX_NODES``): past it, replays handed back a copy made
-    at capture (its contents stale).  Now such a call runs eagerly."""
-    for n in (10, 20_000):
-        m = _WithTable(n).to(device)
+    at capture (its contents stale).  Now such a call runs eagerly; pairs of constants
+    (a merges table) are not walked into, so a table of them keeps the graphs."""
+    for n, kind in ((10, list), (20_000, tuple), (20_000, list)):
+        m = _WithTable(n, kind).to(device)
         g = autograph.graphed(m)
         with torch.no_grad():
             for i in range(5):
@@ -837,7 +838,7 @@ def check_objects_past_the_walk_limit_are_not_copied(device="cpu"):
                 assert got.vocab is m.vocab, (n, i)
                 torch.testing.assert_close(got.logits, m.lin(x))
         s = autograph.stats(g)
-        assert s["replays"] >= 2 if n == 10 else s["replays"] == 0, (n, s)
+        assert s["replays"] >= 2 if n == 10 or kind is tuple else s["replays"] == 0, (n, s)
 
 
 def test_objects_past_the_walk_limit_are_not_copied(standin):
@@ -918,6 +919,13 @@ def check_objects_holding_ordered_dicts_and_return_types(device="cpu"):
             torch.testing.assert_close(got.top.values, want.top.values)
             assert torch.equal(got.top.indices, want.top.indices)
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+    import time
+
+    h = autograph.graphed(lambda x: _Out(time.gmtime(0), x * 2))  # hidden fields: eager
+    with torch.no_grad():
+        for _ in range(4):
+            got = h(torch.randn(3, device=device))
+            assert got.d.tm_zone == time.gmtime(0).tm_zone and got.d == time.gmtime(0)
 
 
 def test_objects_holding_ordered_dicts_and_return_types(standin):
@@ -3402,6 +3410,31 @@ def check_global_backward_hooks_registered_through_any_name_are_seen(device="cpu
             assert s["replays"] >= 3, s
 
 
+def check_backward_hooks_leave_calls_autograd_does_not_record(device="cpu"):
+    """A frozen model called under grad mode (nothing requires grad: autograd records
+    nothing, so no backward hook can fire) replays while backward hooks, global or on
+    its modules, are registered."""
+    from torch.nn.modules import module as mm
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).to(device).requires_grad_(False)
+    g = autograph.graphed(model)
+    handles = [mm.register_module_full_backward_hook(lambda *a: None),
+               model[0].register_full_backward_hook(lambda *a: None)]
+    try:
+        for _ in range(6):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), model(x))
+    finally:
+        for handle in handles:
+            handle.remove()
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and "backward_unsupported" not in s["eager_reasons"], s
+
+
+def test_backward_hooks_leave_calls_autograd_does_not_record(standin):
+    check_backward_hooks_leave_calls_autograd_does_not_record()
+
+
 def test_global_backward_hooks_registered_through_any_name_are_seen(standin):
     check_global_backward_hooks_registered_through_any_name_are_seen()
 
@@ -3592,6 +3625,10 @@ def check_a_modules_own_reset_is_not_hidden_by_the_wrapper(device="cpu"):
     assert autograph.stats(g)["graphs"] == 0
     plain = autograph.graphed(nn.Linear(2, 2).to(device))
     plain.reset()  # no reset of its own: drops the graphs
+    plain.reset = 5  # set and deleted on the module, as eager sets it
+    assert plain.reset == 5 and plain.__wrapped__.reset == 5
+    del plain.reset
+    assert not hasattr(plain.__wrapped__, "reset")
 
 
 def test_a_modules_own_reset_is_not_hidden_by_the_wrapper(standin):

@@ -264,3 +264,38 @@ def check_no_grad_calls_under_grad_mode_survive_training_steps(device="cpu"):
 
 def test_no_grad_calls_under_grad_mode_survive_training_steps(standin):
     check_no_grad_calls_under_grad_mode_survive_training_steps()
+
+
+def check_whole_steps_that_drop_their_gradients_see_outside_ones(device="cpu"):
+    """A whole step that ends with ``p.grad = None`` (a hand-written SGD) captured with
+    no ``.grad`` before or after it: a gradient the caller backpropagated before a later
+    call (an auxiliary loss) was ignored by the replays, which start from nothing.
+    A step that runs a backward guards its parameters' ``.grad``."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(device)
+    twin = copy.deepcopy(model)
+
+    def step(m, x, y):
+        ((m(x) - y) ** 2).mean().backward()
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(p.grad, alpha=-0.1)
+                p.grad = None
+
+    g = autograph.graphed(lambda x, y: step(model, x, y))
+    for i in range(8):
+        x, y = torch.randn(3, 4, device=device), torch.randn(3, 2, device=device)
+        if i == 5:
+            for m in (model, twin):
+                m(x).sum().backward()
+        g(x, y)
+        with autograph.disabled():
+            step(twin, x, y)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q)
+            assert p.grad is None and q.grad is None
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_whole_steps_that_drop_their_gradients_see_outside_ones(standin):
+    check_whole_steps_that_drop_their_gradients_see_outside_ones()

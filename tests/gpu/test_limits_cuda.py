@@ -120,6 +120,7 @@ from ..test_usage import (
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
     check_attention_kernel_choices_are_keyed,
+    check_backward_hooks_leave_calls_autograd_does_not_record,
     check_casts_are_not_cached_inside_an_outer_autocast_block,
     check_class_tensors_and_modules_are_guarded,
     check_classmethods_decorated_in_the_class_body,
@@ -161,6 +162,7 @@ from ..test_usage import (
 from ..test_whole_step import (
     check_no_grad_calls_under_grad_mode_survive_training_steps,
     check_whole_steps_see_frozen_layers_and_loaded_optimizer_state,
+    check_whole_steps_that_drop_their_gradients_see_outside_ones,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -716,3 +718,11 @@ def test_backward_hooks_registered_and_removed_keep_the_graphs():
 
 def test_outputs_requiring_grad_of_nothing_that_does():
     check_outputs_requiring_grad_of_nothing_that_does("cuda")
+
+
+def test_backward_hooks_leave_calls_autograd_does_not_record():
+    check_backward_hooks_leave_calls_autograd_does_not_record("cuda")
+
+
+def test_whole_steps_that_drop_their_gradients_see_outside_ones():
+    check_whole_steps_that_drop_their_gradients_see_outside_ones("cuda")

@@ -255,8 +255,18 @@ _CHECKS_ONLY = frozenset({"torch.export._unlift"})
 def _hooked(m: nn.Module) -> bool:
     """Whether ``m`` has forward hooks whose side effects a replay would skip."""
     return any(getattr(hook, "__module__", None) not in _CHECKS_ONLY and not _collects(hook)
+               and not _marks_grad(hook)
                for hooks in (m._forward_hooks, m._forward_pre_hooks)
                for hook in hooks.values())
+
+
+def _marks_grad(hook: Any) -> bool:
+    """transformers' hook on the input embeddings (``enable_input_require_grads``, which
+    ``gradient_checkpointing_enable()`` calls): it marks their output as requiring grad,
+    an autograd flag a capture records and a replay needs not set again (under no_grad
+    it has no effect on any output)."""
+    return getattr(hook, "__module__", None) == "transformers.modeling_utils" and \
+        getattr(hook, "__name__", None) == "make_inputs_require_grads"
 
 
 # transformers (5.x) puts a hook on each layer whose outputs a model may return

@@ -2128,3 +2128,45 @@ def check_changes_of_captures_and_eager_paths_drop_other_keys_graphs(device="cpu
 
 def test_changes_of_captures_and_eager_paths_drop_other_keys_graphs(standin):
     check_changes_of_captures_and_eager_paths_drop_other_keys_graphs()
+
+
+def check_gradient_checkpointing_models_replay(device="cpu"):
+    """``gradient_checkpointing_enable()`` puts transformers' hook on the input
+    embeddings that marks their output as requiring grad: every call of the model then
+    ran eagerly (``hooks``), ``no_grad`` evaluation too.  The hook is taken as inert:
+    evaluation replays, and checkpointed training steps equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert any(model.get_input_embeddings()._forward_hooks.values())
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model)
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        for _ in range(5):
+            ids = torch.randint(0, 64, (2, 8), device=device)
+            torch.testing.assert_close(g(ids, use_cache=False).logits,
+                                       twin(ids, use_cache=False).logits)
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+    model.train()
+    twin.train()
+    for _ in range(5):
+        ids = torch.randint(0, 64, (2, 8), device=device)
+        grads = []
+        for m in (g, twin):
+            m.zero_grad(set_to_none=True)
+            m(ids, labels=ids, use_cache=False).loss.backward()
+            grads.append([p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+    s = autograph.stats(g)
+    assert s["backward_replays"] >= 1 and "hooks" not in s["eager_reasons"], s
+
+
+def test_gradient_checkpointing_models_replay(standin):
+    check_gradient_checkpointing_models_replay()

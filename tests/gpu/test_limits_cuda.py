@@ -72,6 +72,7 @@ from ..test_guards import (
     check_containers_read_through_children_and_counted_by_the_call,
     check_flags_switched_between_calls_select_graphs,
     check_function_arguments_are_keyed_by_code_and_values,
+    check_gradient_checkpointing_models_replay,
     check_gradients_and_flags_of_arguments_are_seen,
     check_held_state_in_training_calls_and_big_objects,
     check_lazy_modules_initialise_then_graph,
@@ -726,3 +727,7 @@ def test_backward_hooks_leave_calls_autograd_does_not_record():
 
 def test_whole_steps_that_drop_their_gradients_see_outside_ones():
     check_whole_steps_that_drop_their_gradients_see_outside_ones("cuda")
+
+
+def test_gradient_checkpointing_models_replay():
+    check_gradient_checkpointing_models_replay("cuda")

@@ -887,6 +887,31 @@ def check_transformed_distributions_are_returned_by_replays(device="cpu"):
                 torch.testing.assert_close(gl, gw)
     assert len({id(t) for t in seen}) == len(seen)
     assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+    # a transform the module holds, whose cache the call sets (``rsample``): a replay
+    # would leave the capture's cache there, and a log_prob outside would miss it
+    squash = D.TanhTransform(cache_size=1)
+    holder = nn.Module()
+    holder.lin, holder.squash = lin, squash
+
+    def sample(s):
+        mu, log_std = holder.lin(s).chunk(2, -1)
+        d = D.TransformedDistribution(D.Normal(mu * 20, log_std.exp(), validate_args=False),
+                                      [holder.squash], validate_args=False)
+        return d, d.rsample()
+
+    h = autograph.graphed(sample)
+    with torch.no_grad():
+        for _ in range(5):
+            s = torch.randn(5, 3, device=device)
+            torch.manual_seed(2)
+            d, a = h(s)
+            lp = d.log_prob(a)
+            torch.manual_seed(2)
+            with autograph.disabled():
+                e, b = sample(s)
+                lq = e.log_prob(b)
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(lp, lq)
 
 
 def test_transformed_distributions_are_returned_by_replays(standin):

@@ -162,6 +162,23 @@ def _grads_moved(then: list[tuple[torch.Tensor, int] | None],
         for a, b in zip(then, now))
 
 
+def _expected(then: list[tuple[torch.Tensor, int] | None],
+              now: list[tuple[torch.Tensor, int] | None]) -> list[torch.Tensor | None] | None:
+    """The ``.grad`` a whole step's graph replays right with, per tensor: what the
+    capture left, unless the capture found none and made one (its backward writes a
+    fresh gradient where eager's would add to the one there: a micro-batch captured
+    first in its accumulation window) or found one and dropped it (its backward added
+    into that one, which the next calls do not hold): then what it found.  None (what
+    it left) where a tensor's ``requires_grad`` changed meanwhile."""
+    if len(then) != len(now):
+        return None
+    out: list[torch.Tensor | None] = []
+    for a, b in zip(then, now):
+        pick = a if (a is None) != (b is None) else b
+        out.append(None if pick is None else pick[0])
+    return out
+
+
 def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
              device: torch.device) -> Any:
     """Capture the call, replay it once for its result, and keep the graph."""
@@ -225,13 +242,13 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             engine.cache.rekey(key, entry, flat, shared)  # in place (the next call); this
             stats.count_eager(EagerReason.IN_PLACE, warn=False)  # graph read its copy
             return engine.eager(*flat.call())  # (a capture ran no kernel: nothing written)
-        if entry.contained and (entry.backward_inside
-                                or _grads_moved(grads, _grad_marks(_leaves(engine.watch)))):
+        after = _grad_marks(_leaves(engine.watch)) if entry.contained else []
+        if entry.contained and (entry.backward_inside or _grads_moved(grads, after)):
             # a whole step (a backward inside made or wrote the .grad): its gradients
             # may live in the graph's pool, and its backward reads what .grad holds.
             # (A call that only runs under no_grad inside, an action chosen, touches
             # none: the next training step's new .grad must not drop its graph.)
-            engine.watch.steps.add_grads(_leaves(engine.watch))
+            engine.watch.steps.add_grads(_leaves(engine.watch), _expected(grads, after))
         elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
             rotation.rotate(captured, engine.fn, flat, engine.watch, entry.draws is False)
         try:

@@ -96,11 +96,14 @@ class StepGuard:
         self._grads: list[tuple[weakref.ref[torch.Tensor], Any]] = []
         self.active = False  # anything guarded (read on every call: no method call)
 
-    def add_grads(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Guard the ``.grad`` of each of ``tensors`` that requires grad, as it is now."""
+    def add_grads(self, tensors: Iterable[torch.Tensor],
+                  expected: Iterable[torch.Tensor | None] | None = None) -> None:
+        """Guard the ``.grad`` of each of ``tensors`` that requires grad: as it is now,
+        or as ``expected`` gives it (one per tensor requiring grad)."""
+        wanted = iter(expected) if expected is not None else None
         for t in tensors:
             if t.requires_grad:
-                grad = t.grad
+                grad = t.grad if wanted is None else next(wanted)
                 self._grads.append((weakref.ref(t), None if grad is None else weakref.ref(grad)))
                 self.active = True
 

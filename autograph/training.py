@@ -60,7 +60,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         if why:
             problem = Uncapturable(UNSUPPORTED, why) if hooks else HooksPresent(UNSUPPORTED, why)
     warmed.problem = problem
-    warmed.backward = bool(inner)
+    warmed.backward = "backward" in inner  # (``autograd.grad`` leaves .grad alone)
     return warmed
 
 

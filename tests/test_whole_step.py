@@ -3,6 +3,7 @@ call): one plain graph, equal to eager step after step, and the optimizer's Pyth
 state (its learning rate, its state) guarded, through the CPU stand-in."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -299,3 +300,45 @@ def check_whole_steps_that_drop_their_gradients_see_outside_ones(device="cpu"):
 
 def test_whole_steps_that_drop_their_gradients_see_outside_ones(standin):
     check_whole_steps_that_drop_their_gradients_see_outside_ones()
+
+
+def check_accumulating_micro_steps_captured_first_in_their_window(device="cpu"):
+    """A graphed micro-step (forward and ``backward()``, accumulating over two
+    micro-batches; the caller steps and zeroes with ``set_to_none=True`` after each
+    pair): captured at the first micro-batch of a window, with no ``.grad`` there, its
+    graph wrote a fresh gradient, and the next call replayed it where eager adds to
+    the one there: the parameters diverged.  Such a graph replays only where the
+    caller holds the ``.grad`` as it did (``set_to_none=False``: every call replays);
+    results equal eager's either way."""
+    for k, warmup, to_none in ((2, 2, True), (3, 3, True), (2, 1, True), (2, 2, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+        twin = copy.deepcopy(model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+
+        def micro(m, x, y):
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            return loss.detach()
+
+        g = autograph.graphed(functools.partial(micro, model), warmup=warmup)
+        for i in range(4 * k * 3):
+            x, y = torch.randn(3, 4, device=device), torch.randn(3, 2, device=device)
+            got = g(x, y)
+            with autograph.disabled():
+                want = micro(twin, x, y)
+            torch.testing.assert_close(got, want)
+            for p, q in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(p.grad, q.grad)
+            if (i + 1) % k == 0:
+                for opt in opts:
+                    opt.step()
+                    opt.zero_grad(set_to_none=to_none)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q)
+        if not to_none:  # the gradients stay: the graph replays
+            assert autograph.stats(g)["replays"] >= 10, autograph.stats(g)
+
+
+def test_accumulating_micro_steps_captured_first_in_their_window(standin):
+    check_accumulating_micro_steps_captured_first_in_their_window()

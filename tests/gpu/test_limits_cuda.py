@@ -161,6 +161,7 @@ from ..test_usage import (
     check_written_conjugate_and_negative_views,
 )
 from ..test_whole_step import (
+    check_accumulating_micro_steps_captured_first_in_their_window,
     check_no_grad_calls_under_grad_mode_survive_training_steps,
     check_whole_steps_see_frozen_layers_and_loaded_optimizer_state,
     check_whole_steps_that_drop_their_gradients_see_outside_ones,
@@ -731,3 +732,7 @@ def test_whole_steps_that_drop_their_gradients_see_outside_ones():
 
 def test_gradient_checkpointing_models_replay():
     check_gradient_checkpointing_models_replay("cuda")
+
+
+def test_accumulating_micro_steps_captured_first_in_their_window():
+    check_accumulating_micro_steps_captured_first_in_their_window("cuda")

@@ -50,7 +50,8 @@ def main():
     timings = {}
     results = {}
     for name, step in (("eager", model), ("autograph", fast)):
-        generate(step, model, prompt, 4)  # warm up (autograph captures here)
+        generate(step, model, prompt, 4)  # warm up (autograph captures here; the timed
+        # run's new caches are other addresses, so its first steps warm up again)
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -59,7 +59,7 @@ def main():
     model.eval()
     prompt = torch.randint(0, 50257, (1, 8), device=device)
     region = autograph.capture_region()
-    decode(model, prompt, 4, region)  # warm up: captures the step once
+    decode(model, prompt, 4, region)  # warm up (the timed run's new caches warm up again)
     eager, t_eager = timed(lambda: decode(model, prompt, args.steps))
     fast, t_fast = timed(lambda: decode(model, prompt, args.steps, region))
     n = prompt.shape[1] + args.steps - 1

@@ -1,8 +1,9 @@
 """What autograph did, and why: stats(), report() and the `autograph` logger.
 
 A small model meets the cases a real service meets: repeated shapes (replayed), a new
-shape (captured), calls that must run eagerly (autograd would record; a host sync
-inside forward) and a weight replaced at run time (graphs dropped and recaptured).
+shape (captured), calls that must run eagerly (a host sync inside forward), a call
+under grad mode (graphed for training) and a weight replaced at run time (graphs
+dropped and recaptured).
 Each one is counted, and each new reason is logged once at WARNING.
 
 Runs on a GPU (graphs) or on the CPU (autograph falls back to eager and says why).
@@ -47,7 +48,7 @@ def main() -> None:
         model.head.weight = nn.Parameter(torch.randn(8, 64, device=device))  # dropped
         for _ in range(5):
             model(torch.randn(4, 32, device=device))
-    model(torch.randn(4, 32, device=device))  # grad mode, parameters need grad: eager
+    model(torch.randn(4, 32, device=device))  # grad mode: a training key (warms up first)
 
     print()
     autograph.report()

@@ -68,7 +68,8 @@ def main() -> None:
     order = [int(n) for n in order]
 
     with torch.inference_mode():
-        serve(fast, images, range(1, 17))  # warm up: each bucket is checked and captured
+        serve(fast, images, range(1, 17))  # warm up (the small buckets, called once or
+        # twice here, finish warming up in the timed run)
         serve(fast, images, range(16, 0, -1))
         timings = {}
         for name, m in (("eager", model), ("autograph", fast)):

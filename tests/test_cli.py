@@ -128,3 +128,12 @@ def test_training_bench_pins_a_crash_to_the_methods_it_needs(monkeypatch):
     assert "failed: exited with 1" in by[(1, "torch.compile")].note
     assert "all methods in one process exited with 1" in by[(1, "torch.compile")].note
     assert "timed beside" in bt.format_train(rows)
+
+
+def test_bench_json_into_a_missing_folder_is_refused_before_the_run(capsys, tmp_path):
+    """``--json`` into a folder that does not exist failed with a traceback after the
+    run (its results lost); it is refused at once."""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--json", str(tmp_path / "missing" / "out.json")])
+    assert exc.value.code == 2
+    assert "folder does not exist" in capsys.readouterr().err

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.width % args.heads:
         parser.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
+    if args.json not in (None, "-") and not os.path.isdir(os.path.dirname(
+            os.path.abspath(args.json))):  # known before the run, not after it
+        parser.error(f"--json {args.json}: its folder does not exist")
     env = environment()
     to_stdout = args.json == "-"
     if not torch.cuda.is_available():

@@ -75,6 +75,8 @@ def argument_kinds(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, 
 
 COLLECTED = "transformers collects the layers' outputs through their hooks (a caller's " \
     "output_hidden_states)"
+MARKS_GRAD = ("transformers' gradient-checkpointing hook on the input embeddings marks "
+              "their output as requiring grad (graphed past where autograd records nothing)")
 
 
 class Engine:
@@ -257,6 +259,8 @@ class Engine:
         if watch.collects and notify.collector():
             raise Uncapturable(EagerReason.HOOKS, COLLECTED)
         if key.modes[0] and self._autograd_records(flat):
+            if watch.marks_grad and watch.still_marks_grad():
+                raise Uncapturable(EagerReason.HOOKS, MARKS_GRAD)
             # backward hooks: set up as modules run, where autograd records
             if notify.global_backward_hooks():
                 raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, notify.GLOBAL_BACKWARD)

@@ -129,6 +129,9 @@ class Watch:
         self.backward_recheck = False
         # transformers' collecting hooks are on the modules (notify.collecting)
         self.collects = False
+        # transformers' hook marking the input embeddings' output as requiring grad is on
+        # them (notify.marks_grad): calls autograd records run eagerly
+        self.marks_grad = False
         # a scripted module whose code assigns an attribute (notify.script_assigns)
         self.script_assigns: str | None = None
         self._own: set[int] = set()  # modules whose own hooks run outside the graphs
@@ -205,6 +208,7 @@ class Watch:
         self._own = set() if self._hooks_of_roots else {id(m) for m in self._roots()}
         self.hook_reason, self._hooked = notify.hooks_reason(list(modules.values()), self._own)
         self.collects = notify.collecting(list(modules.values()), self._own)
+        self.marks_grad = notify.marks_grad(list(modules.values()), self._own)
         self.script_assigns = notify.script_assigns(modules.values())
         self._register(list(modules))
         self._modules = [weakref.ref(m) for m in modules.values()]
@@ -292,7 +296,14 @@ class Watch:
         modules = [m for m in (ref() for ref in self._modules) if m is not None]
         self.hook_reason, self._hooked = notify.hooks_reason(modules, self._own)
         self.collects = notify.collecting(modules, self._own)
+        self.marks_grad = notify.marks_grad(modules, self._own)
         return self.hook_reason
+
+    def still_marks_grad(self) -> bool:
+        """:attr:`marks_grad`, read again (its hook may have been removed since)."""
+        modules = [m for m in (ref() for ref in self._modules) if m is not None]
+        self.marks_grad = notify.marks_grad(modules, self._own)
+        return self.marks_grad
 
     def _hidden_same(self) -> bool:
         for ref, ptr, version in self._hidden:

@@ -260,11 +260,19 @@ def _hooked(m: nn.Module) -> bool:
                for hook in hooks.values())
 
 
+def marks_grad(modules: list[nn.Module], skip: set[int]) -> bool:
+    """Whether any of ``modules`` (but those in ``skip``) has transformers' hook that
+    marks the input embeddings' output as requiring grad (:func:`_marks_grad`)."""
+    return any(_marks_grad(hook) for m in modules if id(m) not in skip
+               for hook in m._forward_hooks.values())
+
+
 def _marks_grad(hook: Any) -> bool:
     """transformers' hook on the input embeddings (``enable_input_require_grads``, which
     ``gradient_checkpointing_enable()`` calls): it marks their output as requiring grad,
-    an autograd flag a capture records and a replay needs not set again (under no_grad
-    it has no effect on any output)."""
+    which under no_grad changes no output, so calls without autograd are graphed past
+    it; calls that autograd records run eagerly while it is there (``Watch.marks_grad``:
+    checkpointing's recomputation of a captured forward would not match it)."""
     return getattr(hook, "__module__", None) == "transformers.modeling_utils" and \
         getattr(hook, "__name__", None) == "make_inputs_require_grads"
 

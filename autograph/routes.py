@@ -103,7 +103,7 @@ class Routes:
         entry, run = route.entry, route.run
         if entry.run is not run or engine.given_up is not None or engine.watch.hook_reason \
                 or notify.global_hooks() or notify.global_backward_hooks() \
-                or engine.watch.backward_recheck \
+                or engine.watch.backward_recheck or engine.watch.marks_grad \
                 or (engine.watch.collects and notify.collector()) \
                 or route.capturing() or (_nesting.active and _is_nested()):
             return MISS

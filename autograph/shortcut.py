@@ -116,7 +116,7 @@ def make(engine: Engine, known: Remembered, key: GraphKey, entry: Entry,
                 or (n > 1 and _aliases(args, tensor_pos) != aliases)
                 or (cache.state_bases and sharers(args, tensor_pos, cache.state_bases))
                 or (training_key and (saved_hooks() or any(backward_hooks)
-                                      or watch.backward_recheck))):
+                                      or watch.backward_recheck or watch.marks_grad))):
             return MISS
         try:
             result = run(args)

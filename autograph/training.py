@@ -193,7 +193,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained.saved_args = list(saved_args)
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
-    problem = _foreign(trained.static_diff, trained.targets, seen["start"])
+    problem = _foreign(trained.static_diff, trained.targets, seen["start"],
+                       _takes_capture_for_tracing(watch))
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)
     if trained.spill_set is not None:
@@ -348,15 +349,43 @@ def _spillable(t: torch.Tensor) -> torch.Tensor:
 _REENTRANT: Any = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
 
 
-def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int) -> str | None:
+def _takes_capture_for_tracing(watch: Watch) -> bool:
+    """Whether the watched modules include transformers' (whose code takes a stream
+    capture for tracing, ``is_tracing``, and builds its attention masks otherwise)."""
+    return any(type(m).__module__.startswith("transformers.") for m in watch.every_module())
+
+
+def _recomputes(node: Any) -> bool:
+    """Whether ``node`` saved a tensor through another hook than the capture's
+    (activation checkpointing's: its unpack runs the forward again, eagerly, outside
+    the capture)."""
+    for name in dir(node):
+        if name.startswith("_raw_saved_"):
+            try:
+                raw = getattr(node, name, None)
+            except Exception:  # noqa: BLE001 - freed: not one to judge by
+                continue
+            for r in raw if isinstance(raw, (tuple, list)) else (raw,):
+                if r is not None and getattr(r, "unpack_hook", _unpack) not in (None, _unpack):
+                    return True
+    return False
+
+
+def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int,
+             capture_branches: bool = False) -> str | None:
     """Why the captured autograd graph reaches beyond the call (a tensor that requires
     grad and is no argument or parameter, or one computed with autograd before the
-    call): gradients would not reach it.  None if it does not."""
+    call): gradients would not reach it; or why its backward cannot run (checkpointing
+    in code that branches on a capture: its recomputation, outside the capture, takes
+    the other branch and fails checkpointing's check).  None if neither."""
     allowed = {id(t) for t in targets}
     for node in gradgraph.nodes(outs):
         if _REENTRANT is not None and getattr(node, "_forward_cls", None) is _REENTRANT:
             return "reentrant activation checkpointing (use_reentrant=True) runs a " \
                    "backward of its own, which torch.autograd.grad refuses"
+        if capture_branches and _recomputes(node):
+            return "activation checkpointing in transformers' code, which builds other " \
+                   "tensors while a capture runs than in the recomputation"
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
             if id(var) not in allowed:

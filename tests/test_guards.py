@@ -2130,6 +2130,20 @@ def test_changes_of_captures_and_eager_paths_drop_other_keys_graphs(standin):
     check_changes_of_captures_and_eager_paths_drop_other_keys_graphs()
 
 
+def _train_alike(g, twin, steps, device):
+    """``steps`` language-model steps of ``g`` and ``twin`` on the same batches: their
+    gradients equal."""
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (2, 8), device=device)
+        grads = []
+        for m in (g, twin):
+            m.zero_grad(set_to_none=True)
+            m(ids, labels=ids, use_cache=False).loss.backward()
+            grads.append([p.grad for p in m.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b)
+
+
 def check_gradient_checkpointing_models_replay(device="cpu"):
     """``gradient_checkpointing_enable()`` puts transformers' hook on the input
     embeddings that marks their output as requiring grad: every call of the model then
@@ -2158,27 +2172,11 @@ def check_gradient_checkpointing_models_replay(device="cpu"):
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
     model.train()
     twin.train()
-    for _ in range(5):
-        ids = torch.randint(0, 64, (2, 8), device=device)
-        grads = []
-        for m in (g, twin):
-            m.zero_grad(set_to_none=True)
-            m(ids, labels=ids, use_cache=False).loss.backward()
-            grads.append([p.grad for p in m.parameters()])
-        for a, b in zip(*grads):
-            torch.testing.assert_close(a, b)
+    _train_alike(g, twin, 5, device)
     s = autograph.stats(g)
     assert s["eager_reasons"].get("hooks") == 5 and s["replays"] >= 2, s
     model.disable_input_require_grads()
-    for _ in range(6):  # the hook gone: checkpointing in transformers' code runs eagerly
-        ids = torch.randint(0, 64, (2, 8), device=device)
-        grads = []
-        for m in (g, twin):
-            m.zero_grad(set_to_none=True)
-            m(ids, labels=ids, use_cache=False).loss.backward()
-            grads.append([p.grad for p in m.parameters()])
-        for a, b in zip(*grads):
-            torch.testing.assert_close(a, b)
+    _train_alike(g, twin, 6, device)  # the hook gone: checkpointing there runs eagerly
     details = autograph.stats(g)["eager_details"]["backward_unsupported"]
     assert any("checkpointing in transformers" in k for k in details), details
 

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .returned import DISTRIBUTIONS
+
 
 def _numpy_scalar_type() -> type:
     """numpy's scalar base class (``np.int64(5)`` is a value too), or bool without numpy."""
@@ -238,14 +240,12 @@ def _namespace(value: Any) -> bool:
         return True  # (``args = parser.parse_args()``)
     elif (_plain_object(value) or slotted(value)) and not isinstance(value, type):
         top = type(value).__module__.partition(".")[0]
-        if type(value).__module__.startswith(_DISTRIBUTIONS):  # a transform's cache
+        if type(value).__module__.startswith(DISTRIBUTIONS):  # a transform's cache
             return True
     else:
         return False
     return top not in sys.stdlib_module_names and top not in _LIBRARIES
 
-
-_DISTRIBUTIONS = "torch.distributions."  # torch's plain objects, which calls may change
 
 
 def slotted(value: Any) -> bool:

@@ -301,8 +301,7 @@ class Watch:
 
     def still_marks_grad(self) -> bool:
         """:attr:`marks_grad`, read again (its hook may have been removed since)."""
-        modules = [m for m in (ref() for ref in self._modules) if m is not None]
-        self.marks_grad = notify.marks_grad(modules, self._own)
+        self.marks_grad = notify.marks_grad(self.every_module(), self._own)
         return self.marks_grad
 
     def _hidden_same(self) -> bool:

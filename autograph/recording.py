@@ -242,13 +242,14 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             engine.cache.rekey(key, entry, flat, shared)  # in place (the next call); this
             stats.count_eager(EagerReason.IN_PLACE, warn=False)  # graph read its copy
             return engine.eager(*flat.call())  # (a capture ran no kernel: nothing written)
-        after = _grad_marks(_leaves(engine.watch)) if entry.contained else []
+        leaves = _leaves(engine.watch) if entry.contained else []
+        after = _grad_marks(leaves)
         if entry.contained and (entry.backward_inside or _grads_moved(grads, after)):
             # a whole step (a backward inside made or wrote the .grad): its gradients
             # may live in the graph's pool, and its backward reads what .grad holds.
             # (A call that only runs under no_grad inside, an action chosen, touches
             # none: the next training step's new .grad must not drop its graph.)
-            engine.watch.steps.add_grads(_leaves(engine.watch), _expected(grads, after))
+            engine.watch.steps.add_grads(leaves, _expected(grads, after))
         elif run_capture is lifecycle.capture and engine.options.min_speedup is None:
             rotation.rotate(captured, engine.fn, flat, engine.watch, entry.draws is False)
         try:

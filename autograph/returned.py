@@ -265,7 +265,7 @@ class _Walk:
 
 
 # torch's classes whose instances are plain objects of tensors (a policy's ``Normal``)
-_DISTRIBUTIONS = "torch.distributions."
+DISTRIBUTIONS = "torch.distributions."
 
 
 def _plain_class(cls: type) -> bool:
@@ -273,7 +273,7 @@ def _plain_class(cls: type) -> bool:
     not torch's but its distributions), no module or function, no copy protocol of its
     own."""
     top = cls.__module__.partition(".")[0]  # (torchvision's, torchaudio's are plain)
-    if top == "builtins" or (top == "torch" and not cls.__module__.startswith(_DISTRIBUTIONS)):
+    if top == "builtins" or (top == "torch" and not cls.__module__.startswith(DISTRIBUTIONS)):
         return False
     if issubclass(cls, (torch.nn.Module, types.FunctionType, types.MethodType,
                         types.ModuleType, BaseException)):

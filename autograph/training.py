@@ -247,10 +247,8 @@ def _saved_keys(node: Any) -> set[int] | None:
         if not name.startswith("_saved_"):
             continue
         try:
-            raw = getattr(node, "_raw" + name, None)
-            for r in raw if isinstance(raw, (tuple, list)) else (raw,):
-                if r is not None and getattr(r, "unpack_hook", _unpack) not in (None, _unpack):
-                    return None
+            if _foreign_unpack(getattr(node, "_raw" + name, None)):
+                return None
             value = getattr(node, name)
         except Exception:  # noqa: BLE001 - one freed or unreadable: judge it unknown
             return None
@@ -365,10 +363,16 @@ def _recomputes(node: Any) -> bool:
                 raw = getattr(node, name, None)
             except Exception:  # noqa: BLE001 - freed: not one to judge by
                 continue
-            for r in raw if isinstance(raw, (tuple, list)) else (raw,):
-                if r is not None and getattr(r, "unpack_hook", _unpack) not in (None, _unpack):
-                    return True
+            if _foreign_unpack(raw):
+                return True
     return False
+
+
+def _foreign_unpack(raw: Any) -> bool:
+    """Whether a node's raw saved value (or tuple of them) unpacks through another hook
+    than the capture's (activation checkpointing's)."""
+    return any(r is not None and getattr(r, "unpack_hook", _unpack) not in (None, _unpack)
+               for r in (raw if isinstance(raw, (tuple, list)) else (raw,)))
 
 
 def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int,

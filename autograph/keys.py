@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from . import containers
 from .flat import BY_VALUE, FLAT, Flat, size_leaf, spec_key, unopened
-from .memo import KeyMemo
+from .memo import KeyMemo, unit_strides
 from .modes import USER_MODE
 from .objects import (
     QUANTIZED,
@@ -269,7 +269,10 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
             if x.layout is not _strided:
                 raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
             try:
-                part = _new(TensorKey, (x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
+                shape, stride = x.shape, x.stride()
+                if 1 in shape and len(shape) < 4:
+                    stride = unit_strides(shape, stride, 1)
+                part = _new(TensorKey, (shape, stride, x.dtype, x.device, x.requires_grad,
                                         (x.is_conj(), x.is_neg())))
             except (RuntimeError, NotImplementedError):  # nested tensors have no strides
                 raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x)) from None
@@ -329,6 +332,8 @@ def leaf_key(x: Any) -> ValueKey:
     number = number_key(x)  # a complex, a NumPy scalar
     if number is not None:
         return _new(ValueKey, (type(x), number))
+    if isinstance(x, float):  # a subclass of float's (as one of int's): by type and bits
+        return _new(ValueKey, (type(x), float_bits(x)))
     if type(x) is range or type(x) is slice:  # by their parts (slices hash from 3.12 on)
         return _new(ValueKey, (type(x), tuple(leaf_key(v) for v in (x.start, x.stop, x.step))))
     if isinstance(x, _Tensor):

@@ -19,7 +19,7 @@ def variants(rng):
     """Tensors that differ from one another in exactly what a key holds, or in nothing
     it holds (storage offsets, values)."""
     base = torch.randn(4, 6)
-    pick = rng.randrange(14)
+    pick = rng.randrange(18)
     if pick == 0:
         return base
     if pick == 1:
@@ -44,8 +44,18 @@ def variants(rng):
         return torch.randn(2, 3, 2, 2)
     if pick == 11:
         return torch.tensor(1.5)
+    if pick == 17:
+        return torch.randn(1, 6).t()
     if pick == 12:
         return torch.empty(0, 6)
+    if pick == 13:  # size-1 dimensions of other strides: keyed alike below 4 dimensions
+        return torch.randn(1, 7 + rng.randrange(3))[:, -6:]
+    if pick == 14:
+        return torch.randn(1, 6)
+    if pick == 15:  # ... and apart at 4 (N1HW with C's stride 1 is channels_last)
+        return torch.randn(2, 1, 2, 2).to(memory_format=torch.channels_last)
+    if pick == 16:
+        return torch.randn(2, 1, 2, 2)
     with torch.inference_mode():
         return torch.randn(4, 6)
 
@@ -56,7 +66,7 @@ def test_a_remembered_key_is_the_full_paths_key(seed):
     memo = KeyMemo()
     training = lambda: None  # noqa: E731
     hits = 0
-    for _ in range(60):
+    for _ in range(150):
         args = tuple(variants(rng) for _ in range(rng.randrange(1, 4)))
         if rng.random() < 0.3:
             args = (*args, args[0])  # the same tensor twice: aliasing is read per call
@@ -97,3 +107,35 @@ def test_graphed_calls_with_in_place_resized_arguments_equal_eager(standin):
             x.resize_(*shape).normal_()
             torch.testing.assert_close(g(x), lin(x))
     assert autograph.stats(g)["replays"] >= 3
+
+
+def check_last_tokens_of_a_growing_sequence_replay(device="cpu"):
+    """A hand-written decode loop feeding ``ids[:, -1:]`` of a growing batch-1 sequence:
+    its stride ``(L, 1)`` changed at every step, so each step keyed anew and nothing
+    replayed.  Strides of size-1 dimensions (below 4 dimensions) are not keyed; the
+    results, and a conv's memory format on an ``N1HW`` input, equal eager's."""
+    emb = torch.nn.Embedding(50, 8).to(device)
+    g = autograph.graphed(emb)
+    ids = torch.randint(0, 50, (1, 3), device=device)
+    with torch.no_grad():
+        for _ in range(10):
+            last = ids[:, -1:]
+            torch.testing.assert_close(g(last), emb(last), rtol=0, atol=0)
+            ids = torch.cat([ids, torch.randint(0, 50, (1, 1), device=device)], 1)
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["graphs"] == 1, s
+    conv = torch.nn.Conv2d(1, 4, 3).to(device)
+    c = autograph.graphed(conv)
+    with torch.no_grad():
+        for i in range(14):
+            x = torch.randn(2, 1, 6, 6, device=device)
+            if i % 2:
+                x = x.to(memory_format=torch.channels_last)  # only C's stride differs
+            got, want = c(x), conv(x)
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+    assert autograph.stats(c)["replays"] >= 4, autograph.stats(c)
+
+
+def test_last_tokens_of_a_growing_sequence_replay(standin):
+    check_last_tokens_of_a_growing_sequence_replay()

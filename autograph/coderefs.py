@@ -346,6 +346,28 @@ def _attribute_loads(code: types.CodeType) -> dict[str, frozenset[str]]:
     return {name: frozenset(attrs) for name, attrs in found.items()}
 
 
+@functools.lru_cache(maxsize=1024)
+def reads_attribute(code: types.CodeType, name: str, unless_of: str) -> bool:
+    """Whether ``code`` (or the code nested in it) reads, sets or names the attribute
+    ``name`` of some object (``w.grad``, ``getattr(w, "grad")``), not counting it where
+    it is read from a name or attribute ``unless_of`` (``torch.autograd.grad``)."""
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        before = None  # the name the previous instruction loaded
+        for ins in dis.get_instructions(c):
+            if ins.opname == "LOAD_CONST" and ins.argval == name:
+                return True
+            if (ins.opname in _ATTRIBUTE_LOADS or ins.opname in _ATTRIBUTE_STORES) \
+                    and ins.argval == name and before != unless_of:
+                return True
+            if ins.opname not in _KEEPS_TOP:
+                loads = ins.opname in _NAME_LOADS or ins.opname in _ATTRIBUTE_LOADS
+                before = ins.argval if loads else None
+        stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return False
+
+
 _NAME_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
 _ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD"})
 _ATTRIBUTE_STORES = frozenset({"STORE_ATTR", "DELETE_ATTR"})

@@ -21,7 +21,6 @@ import random
 import sys
 import threading
 import time
-import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import containers, counters, rng
+from . import coderefs, containers, counters, rng
 from .buffers import StaticInputs, output_builder
 from .capture import Backend, OnPool
 from .flat import Flat
@@ -37,6 +36,7 @@ from .footprint import Footprint
 from .guards import Watch, running
 from .modes import _any_autocast, modes
 from .mutation import WriteRecorder, storage_ptr, watch_map
+from .reach import Reach
 from .replay import Bumps, Captured, use_count
 from .returned import opened
 from .steps import Stepped
@@ -454,7 +454,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         backend = OnPool(backend, backend.private_pool(device))
     leaves = list(flat.leaves)
     copied = [i for i in flat.tensor_pos if i not in inplace]
-    reads_grad = _reads_grad(fn, watch)
+    reached = watch.reach(fn)
+    reads_grad = _reads_grad(reached, watch)
     _check_argument_state(leaves, copied, reads_grad)
     static = StaticInputs(leaves, copied)
     _show_requires_grad(static, leaves)
@@ -462,7 +463,6 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     args, kwargs = flat.rebuild(substituted)
     shapes = _geometry(substituted, flat.tensor_pos)
     snap = containers.snapshot(flat, args, kwargs)
-    reached = watch.reach(fn)
     held = watch.held(reached)
     refs = watch.ref_values()
     state = [*watch.tensors(), *watch.named()]  # written in place: state_written
@@ -583,19 +583,16 @@ def _show_requires_grad(static: StaticInputs, leaves: list[Any]) -> None:
             buf.__dict__.update(leaves[i].__dict__)
 
 
-def _reads_grad(fn: Callable[..., Any], watch: Watch) -> bool:
-    """Whether the function's code or a watched module's ``forward`` names ``.grad``
-    (``if w.grad is not None``): then every parameter's and pinned argument's ``.grad``,
-    None included, is guarded, not only those a graph read."""
-    codes = [getattr(getattr(fn, "__func__", fn), "__code__", None)]
-    codes += [getattr(getattr(type(m), "forward", None), "__code__", None)
-              for m in watch.every_module()]
-    return any(code is not None and _names(code, "grad") for code in codes)
-
-
-def _names(code: types.CodeType, name: str) -> bool:
-    return name in code.co_names or any(
-        isinstance(c, types.CodeType) and _names(c, name) for c in code.co_consts)
+def _reads_grad(reached: Reach, watch: Watch) -> bool:
+    """Whether the user's code (the function and the helpers it names:
+    :class:`autograph.reach.Reach`) or a watched module's ``forward`` names ``.grad``
+    (``if w.grad is not None``; ``torch.autograd.grad`` does not count): then every
+    parameter's and pinned argument's ``.grad``, None included, is guarded, not only
+    those a graph read."""
+    codes = [*reached.codes, *(getattr(getattr(type(m), "forward", None), "__code__", None)
+                               for m in watch.every_module())]
+    return any(code is not None and coderefs.reads_attribute(code, "grad", "autograd")
+               for code in codes)
 
 
 def _grads_read(hidden: Any, owners: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -48,6 +49,7 @@ class Reach:
     owner: Any  # the graphed method's object, or None
     owner_named: list[tuple[str, Any]]  # its attributes under names its code uses
     named: list[Named]  # globals and cells of the code, its helpers, modules' forwards
+    codes: tuple[types.CodeType, ...] = ()  # the code of each of those functions
 
 
 def reach(fn: Any, modules: Iterable[nn.Module], owner: Any = None) -> Reach:
@@ -73,19 +75,25 @@ def reach(fn: Any, modules: Iterable[nn.Module], owner: Any = None) -> Reach:
         owner = None
     codes = [inner] + [_unwrapped(type(m).forward) for m in modules
                        if _user_class(type(m)) and getattr(type(m), "forward", None)]
-    return Reach(bound, owner, owner_named, named_values(codes))
+    walked: list[types.CodeType] = []
+    named = named_values(codes, walked)
+    return Reach(bound, owner, owner_named, named, tuple(walked))
 
 
-def named_values(functions: Iterable[Any]) -> list[Named]:
+def named_values(functions: Iterable[Any], codes: list[types.CodeType] | None = None
+                 ) -> list[Named]:
     """The globals and closure cells that ``functions`` name, and those that the user's
-    functions they name (helpers, held as globals or cells) name in turn."""
+    functions they name (helpers, held as globals or cells) name in turn; the code of
+    each function walked is appended to ``codes``."""
     out: list[Named] = []
+    codes = [] if codes is None else codes
     todo, seen = list(functions), set[int]()
     for f in todo:  # grows by the helpers named
         code, glb = getattr(f, "__code__", None), getattr(f, "__globals__", None)
         if code is None or glb is None or id(f) in seen or len(seen) >= MAX_FUNCTIONS:
             continue
         seen.add(id(f))
+        codes.append(code)
         reads = _attribute_loads(code)
         found = [Named(name, glb.get(name), reads.get(name, frozenset()))
                  for name in sorted(_global_names(code)[0])]

@@ -342,3 +342,46 @@ def check_accumulating_micro_steps_captured_first_in_their_window(device="cpu"):
 
 def test_accumulating_micro_steps_captured_first_in_their_window(standin):
     check_accumulating_micro_steps_captured_first_in_their_window()
+
+
+def check_steps_taking_gradients_with_autograd_grad(device="cpu"):
+    """A step computing its gradients with ``torch.autograd.grad`` (no ``.grad``
+    involved) while the caller's own backward and ``zero_grad(set_to_none=True)`` come
+    and go around it: ``autograd.grad`` was taken for a read of ``.grad``, every
+    parameter's ``.grad`` was guarded and each call recaptured.  It replays, and the
+    parameters and the ``.grad`` the caller made equal eager's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
+    twin = copy.deepcopy(model)
+
+    def stepper(m):
+        def step(x):
+            params = list(m.parameters())
+            loss = m(x).square().mean()
+            grads = torch.autograd.grad(loss, params)
+            with torch.no_grad():
+                for p, gr in zip(params, grads):
+                    p.sub_(0.1 * gr)
+            return loss.detach()
+        return step
+
+    g, eager = autograph.graphed(stepper(model)), stepper(twin)
+    for _ in range(8):
+        x = torch.randn(3, 4, device=device)
+        for m in (model, twin):
+            m(x).sum().backward()
+        got = g(x)
+        with autograph.disabled():
+            want = eager(x)
+        torch.testing.assert_close(got, want)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q)
+            torch.testing.assert_close(p.grad, q.grad)
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+    s = autograph.stats(g)
+    assert s["replays"] >= 5 and s["invalidations"] == 0, s
+
+
+def test_steps_taking_gradients_with_autograd_grad(standin):
+    check_steps_taking_gradients_with_autograd_grad()

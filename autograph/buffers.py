@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from .flat import size_leaf
 from .mutation import storage_ptr
-from .objects import object_key
+from .objects import object_key, open_mapping
 from .returned import Refused, Spliced, containers_of
 from .sharing import Shared, _extent, is_clone
 from .vocab import EagerReason, Uncapturable
@@ -178,7 +178,7 @@ def output_builder(
 
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
-    flat, spec = pytree.tree_flatten(output, is_leaf=size_leaf)  # a Size: one constant
+    flat, spec = _flatten_opening(output)
     arg_storage: dict[int, tuple[int, torch.Tensor]] = {}
     for i, buf in zip(static.positions, static.buffers):
         if _same_geometry(buf, leaves[i]):
@@ -505,7 +505,7 @@ def _dtype_view(value: torch.Tensor, i: int, base: torch.Tensor
     offset, or Uncapturable where the argument cannot be viewed so."""
     dtype, size, stride = value.dtype, value.shape, value.stride()
     try:
-        typed = base.view(dtype)
+        typed = _retyped(base, dtype)
     except RuntimeError:
         raise Uncapturable(EagerReason.OUTPUT, "an output views an argument as another "
                            "dtype in a way that cannot be rebuilt") from None
@@ -513,11 +513,38 @@ def _dtype_view(value: torch.Tensor, i: int, base: torch.Tensor
     neg = value.is_neg() != typed.is_neg()  # ``x.conj().imag``: a negative view
 
     def view(leaves: list[Any]) -> torch.Tensor:
-        arg = leaves[i].view(dtype)
+        arg = _retyped(leaves[i], dtype)
         made = arg.as_strided(size, stride, arg.storage_offset() + offset)
         return made._neg_view() if neg else made
 
     return view
+
+
+def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A view of ``t`` as ``dtype`` (over the same memory): ``t.view(dtype)``, or for a
+    complex ``t`` whose last dimension is not contiguous (``z.t()``, ``z[:, ::2]``),
+    whose ``real`` and ``imag`` are still views, ``torch.view_as_real(t)``."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        if t.is_complex() and not t.is_conj() and t.real.dtype == dtype:
+            return torch.view_as_real(t)
+        raise
+
+
+def _flatten_opening(output: Any) -> tuple[list[Any], Any]:
+    """The output's leaves and spec (a Size is one constant), with the subclasses of
+    ``dict``, ``list`` and ``tuple`` it returns (``class Output(OrderedDict)``) opened
+    first where they rebuild from their items (:func:`autograph.objects.open_mapping`):
+    each replay makes one around its own outputs."""
+    for _ in range(_MAX_OPENED):
+        flat, spec = pytree.tree_flatten(output, is_leaf=size_leaf)
+        if not any([open_mapping(v) for v in flat if isinstance(v, (list, tuple, dict))]):
+            break
+    return flat, spec
+
+
+_MAX_OPENED = 4  # nested levels of such subclasses opened
 
 
 def _filled_by_group(_leaves: list[Any]) -> None:

@@ -112,6 +112,11 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
             return ("id", tx, id(x))
         return ("map", keys, tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
                                    for k, v in x.items()))
+    if isinstance(x, (list, tuple, dict)):  # a subclass: its items and its attributes
+        items = dict(x) if isinstance(x, dict) else tuple(x)
+        own = {} if getattr(x, "__dict__", None) is x else (_attributes(x) or {})
+        return ("subclass", tx, walk(items, walked, path, depth + 1, counter),
+                walk(own, walked, path, depth + 1, counter))
     if isinstance(x, _FUNCTIONS) or isinstance(x, type):
         return _function(x, walked, path, depth, counter)
     if tx is types.MethodType:  # a bound method: made anew at each attribute read

@@ -1066,3 +1066,81 @@ def test_a_tensor_requiring_grad_inside_an_object_names_the_real_reason():
     s = autograph.stats(gc_)
     assert "autograd" not in s["eager_reasons"], s
     assert "inside an argument object" in str(s["eager_details"]), s
+
+
+class _Batch(dict):
+    pass
+
+
+class _Items(list):
+    pass
+
+
+class _Pair(tuple):
+    __slots__ = ()
+
+
+class _Tagged(dict):
+    def __init__(self, tag, **items):
+        super().__init__(**items)
+        self.tag = tag
+
+
+def check_subclasses_of_dict_list_and_tuple_arguments(device="cpu"):
+    """Arguments of a user's subclass of ``dict``, ``list`` or ``tuple`` (a batch
+    class): their items were neither keyed nor copied in, so with the tensors of the
+    capture call still alive (a dataset) every replay read those (stale results), and an
+    item of another shape replayed too.  One that rebuilds from its items is opened as
+    its base container is (its tensors copied in, a replay per call); one holding other
+    attributes is walked with its items and attributes (keyed by address: correct,
+    captured anew when they move)."""
+    data = [torch.randn(3 + (i > 5), device=device) for i in range(10)]
+    for make, read in ((lambda t: _Batch(a=t), lambda b: b["a"]),
+                       (lambda t: _Items([t]), lambda b: b[0]),
+                       (lambda t: _Pair((t,)), lambda b: b[0]),
+                       (lambda t: _Tagged("x", a=t), lambda b: b["a"] * len(b.tag))):
+        def f(x, b, read=read):
+            return x.sum() + read(b) * 2
+
+        g = autograph.graphed(f)
+        for t in data:
+            x = torch.randn(2, device=device)
+            torch.testing.assert_close(g(x, make(t)), f(x, make(t)))
+        if not isinstance(make(data[0]), _Tagged):
+            assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+def test_subclasses_of_dict_list_and_tuple_arguments(standin):
+    check_subclasses_of_dict_list_and_tuple_arguments()
+
+
+class _Output(OrderedDict):
+    pass
+
+
+def check_subclasses_of_dict_and_list_outputs(device="cpu"):
+    """A call returning a user's subclass of ``OrderedDict`` or ``list`` (a model
+    output class pytree does not know) ran eagerly every call, with a misleading
+    reason; it replays, a new container of that class per call around its outputs."""
+    for make in (lambda x: _Output(logits=x * 2, hidden=x + 1),
+                 lambda x: _Items([x * 2, _Output(h=x + 1)])):
+        g = autograph.graphed(make)
+        kept = []
+        for _ in range(6):
+            x = torch.randn(3, device=device)
+            got, want = g(x), make(x)
+            assert type(got) is type(want)
+            flat_got, spec_got = pytree.tree_flatten(got)
+            flat_want, spec_want = pytree.tree_flatten(want)
+            assert spec_got == spec_want
+            for a, b in zip(flat_got, flat_want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            kept.append((got, want))
+        for got, want in kept:  # none was overwritten or shared by a later call
+            for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert autograph.stats(g)["replays"] >= 3, autograph.stats(g)
+
+
+def test_subclasses_of_dict_and_list_outputs(standin):
+    check_subclasses_of_dict_and_list_outputs()

@@ -26,6 +26,21 @@ from .options import Options
 __all__ = ["BoundGraphedFunction", "GraphedFunction"]
 
 
+MAX_HELD = 16  # instances without weak references held per graphed method
+
+
+class _Held:
+    """A strong reference with ``weakref.ref``'s call (for an instance taking none)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __call__(self) -> Any:
+        return self.obj
+
+
 class _Dispatch:
     """The wrapt wrapper function: finds the engine for the call and runs it."""
 
@@ -42,7 +57,7 @@ class _Dispatch:
         # already: it is called without it
         self.prebound = not self.bound and getattr(fn, "__self__", None) is not None
         self.handle: Handle | None = None
-        self.instances: dict[int, tuple[weakref.ref[Any], Handle]] = {}
+        self.instances: dict[int, tuple[Callable[[], Any], Handle]] = {}
         # a classmethod decorated in the class body: one engine per class it is called
         # on (``B.scale`` binds ``cls=B``; its class values are guarded per class)
         self.classes: dict[type, Handle] = {}
@@ -87,7 +102,7 @@ class _Dispatch:
                     False, method=False)
             return handle
 
-    def _instance_engine(self, instance: Any) -> tuple[weakref.ref[Any], Handle]:
+    def _instance_engine(self, instance: Any) -> tuple[Callable[[], Any], Handle]:
         key = id(instance)
         instances = self.instances
 
@@ -97,7 +112,10 @@ class _Dispatch:
                 del instances[key]
                 item[1].engine.watch.close()
 
-        ref = weakref.ref(instance, forget)
+        try:
+            ref: Callable[[], Any] = weakref.ref(instance, forget)
+        except TypeError:  # ``__slots__`` without ``__weakref__``, a NamedTuple
+            ref = self._hold(instance)
         fn = self.func
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -126,6 +144,17 @@ class _Dispatch:
         with self.lock:
             item = instances[key] = (ref, handle)
         return item
+
+    def _hold(self, instance: Any) -> Callable[[], Any]:
+        """A strong reference to an instance that takes no weak one, for its engine:
+        the last :data:`MAX_HELD` such instances are held (their ids cannot be reused
+        meanwhile), the oldest one's engine is let go."""
+        held = [k for k, (r, _) in self.instances.items() if isinstance(r, _Held)]
+        for key in held[:max(0, len(held) - MAX_HELD + 1)]:
+            item = self.instances.pop(key, None)
+            if item is not None:
+                item[1].engine.watch.close()
+        return _Held(instance)
 
     def engines(self) -> list[Engine]:
         out = [item[1].engine for item in list(self.instances.values())]

@@ -163,6 +163,8 @@ class Watch:
         # flags set between calls that select graphs, as ``training`` does (_keys_flag):
         # (module, attribute name), kept across refreshes
         self._flags: list[tuple[Callable[[], Any], str]] = []
+        # flags that took a list value (its items may change in place): not cached
+        self._live_flags: list[tuple[Callable[[], Any], str]] = []
         # per flag, the values it took; None once it took more than MAX_FLAG_VALUES
         self._flag_values: dict[tuple[int, str], set[Any] | None] = {}
         self.__weakref__: Any
@@ -532,6 +534,8 @@ class Watch:
             if self._flags:
                 flags += tuple(_flag_value(ref(), name) for ref, name in self._flags)
             self._training = flags
+        if self._live_flags:  # a list flag may change in place: read at every call
+            return flags + tuple(_flag_value(ref(), name) for ref, name in self._live_flags)
         return flags
 
     def _on_assign(self, module: nn.Module, name: str, swap: bool = False,
@@ -551,14 +555,16 @@ class Watch:
             self.altered = self.altered or not swap
 
     def _keys_flag(self, module: nn.Module, name: str, was: Any, value: Any) -> bool:
-        """Whether the assignment of a flag between calls (a bool, a string or None,
-        set over another such value: PEFT's ``disable_adapter()``, a mode name) selects
+        """Whether the assignment of a flag between calls (a bool, a string or None, or a
+        short list of them, set over another such value: PEFT's ``disable_adapter()``
+        and ``set_adapter()``, a mode name; :func:`flag_key`) selects
         graphs as ``train()``/``eval()`` do, its value part of the key from now on,
         instead of dropping the graphs at every switch.  Its first switch drops them
         once (their keys do not carry it); one that takes more than
         :data:`MAX_FLAG_VALUES` values (a request id) drops them at every new value
         again, as other attributes do, rather than keep a graph per value."""
-        if type(value) not in _FLAG_TYPES or type(was) not in _FLAG_TYPES:
+        was, value = flag_key(was), flag_key(value)
+        if was is _NO_FLAG or value is _NO_FLAG:
             return False
         where = (id(module), name)
         known = [r for r, n in self._flags if n == name and r() is module]
@@ -573,12 +579,16 @@ class Watch:
             self._flag_values[where] = {was, value}
             self._flags.append((weakref.ref(module), name))
             self.dirty = self.altered = True
-            return True
-        values.add(value)
-        if len(values) > MAX_FLAG_VALUES:
+        else:
+            values.add(value)
+        if len(self._flag_values[where] or ()) > MAX_FLAG_VALUES:
             self._flag_values[where] = None
             self._flags = [(r, n) for r, n in self._flags if (id(r()), n) != where]
+            self._live_flags = [(r, n) for r, n in self._live_flags if (id(r()), n) != where]
             return False
+        if type(value) is tuple and not any(  # a list's: read per call from now on
+                n == name and r() is module for r, n in self._live_flags):
+            self._live_flags.append((weakref.ref(module), name))
         return True
 
 
@@ -588,8 +598,25 @@ MAX_FLAG_VALUES = 8  # values of a flag keyed; past them it drops the graphs per
 _ABSENT = "<autograph: no such attribute>"  # a flag deleted, or its module gone
 
 
+_NO_FLAG = object()
+MAX_FLAG_ITEMS = 8  # the strings of a list flag (PEFT's active adapters)
+
+
+def flag_key(value: Any) -> Any:
+    """A flag's value as keyed: a bool, a string or None itself; a short list or tuple
+    of them (PEFT's ``_active_adapter = ["default"]``, a new list at each
+    ``set_adapter``) as a tuple of its type and items; anything else ``_NO_FLAG``."""
+    kind = type(value)
+    if kind in _FLAG_TYPES:
+        return value
+    if (kind is list or kind is tuple) and len(value) <= MAX_FLAG_ITEMS and all(
+            type(v) in _FLAG_TYPES for v in value):
+        return (kind, *value)
+    return _NO_FLAG
+
+
 def _flag_value(module: nn.Module | None, name: str) -> Any:
-    return getattr(module, name, _ABSENT) if module is not None else _ABSENT
+    return flag_key(getattr(module, name, _ABSENT)) if module is not None else _ABSENT
 
 
 def running_stack() -> list[Watch]:

@@ -1836,6 +1836,49 @@ def test_flags_switched_between_calls_select_graphs(standin):
     check_flags_switched_between_calls_select_graphs()
 
 
+class _Adapters(nn.Module):
+    """PEFT's LoRA layer keeps its active adapters as a list, a new one at each
+    ``set_adapter`` (``self._active_adapter = ["b"]``), the same one set again per step
+    in TRL's loops."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self._active_adapter = "a"
+
+    def forward(self, x):
+        y = self.fc(x)
+        for name in self._active_adapter:
+            y = y + getattr(self, name)(x)
+        return y
+
+
+def check_list_flags_switched_between_calls_select_graphs(device="cpu"):
+    """A short list of strings set between calls (PEFT's ``set_adapter``) dropped every
+    graph at each assignment, an equal one too: no replay in a loop switching adapters
+    or setting the same one per step.  It selects graphs as a string flag does, and one
+    changed in place (``append``) is seen."""
+    m = _Adapters().to(device)
+    twin, g = copy.deepcopy(m), autograph.graphed(m)
+    with torch.no_grad():
+        for i in range(24):
+            for mod in (m, twin):
+                mod._active_adapter = ["a"] if i < 8 or i % 2 else ["b"]
+                if i == 20:
+                    mod._active_adapter.append("a")  # in place: read per call
+                if i == 22:
+                    mod._active_adapter[0] = "b"
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 12 and s["invalidations"] <= 1, s
+
+
+def test_list_flags_switched_between_calls_select_graphs(standin):
+    check_list_flags_switched_between_calls_select_graphs()
+
+
 def _member(device):
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)).to(device)
 
@@ -2183,3 +2226,46 @@ def check_gradient_checkpointing_models_replay(device="cpu"):
 
 def test_gradient_checkpointing_models_replay(standin):
     check_gradient_checkpointing_models_replay()
+
+
+def _scaled_by_its_grad(w, x, s=1.0):
+    return _reads_its_grad(w, x) * s
+
+
+def check_grad_read_by_a_partial_or_a_helper(device="cpu"):
+    """A function reading ``w.grad`` graphed through ``functools.partial``, or called
+    from the graphed function (a helper it names): the ``.grad`` read was missed (only
+    the graphed function's own code was looked at), so a gradient set after the capture
+    was not seen (stale results)."""
+    import functools
+
+    for f in (functools.partial(_reads_its_grad), functools.partial(_scaled_by_its_grad,
+                                                                     s=2.0)):
+        g = autograph.graphed(f)
+        w = torch.randn(3, device=device, requires_grad=True)
+        with torch.no_grad():
+            for i in range(8):
+                if i == 4:
+                    w.grad = torch.ones(3, device=device)
+                x = torch.randn(3, device=device)
+                torch.testing.assert_close(g(w, x), f(w, x))
+        assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_grad_read_by_a_partial_or_a_helper(standin):
+    check_grad_read_by_a_partial_or_a_helper()
+
+
+class _Temperature(float):
+    pass
+
+
+def test_float_subclass_arguments_are_keyed_by_type_and_bits(standin):
+    """A subclass of ``float`` (``Temperature(0.7)``) was unkeyable (every call eager,
+    where an ``int`` subclass replays); it is keyed by its type and bits."""
+    g = autograph.graphed(lambda x, t: torch.copysign(x, torch.tensor(t)) / abs(t or 1.0))
+    for i in range(10):
+        t = _Temperature(0.7 if i < 5 else -0.0)
+        x = torch.rand(3) + 1
+        torch.testing.assert_close(g(x, t), torch.copysign(x, torch.tensor(t)) / abs(t or 1.0))
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)

@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import types
+import typing
 
 import pytest
 import torch
@@ -1116,6 +1117,41 @@ def check_outputs_viewing_bytes_as_another_dtype(device="cpu"):
 
 def test_outputs_viewing_bytes_as_another_dtype():
     check_outputs_viewing_bytes_as_another_dtype()
+
+
+def _real_of(z):
+    return z.real
+
+
+def _imag_of(z):
+    return z.imag * 1, z.imag
+
+
+def check_real_views_of_strided_complex_arguments(device="cpu"):
+    """``z.real``, ``z.imag`` or ``torch.view_as_real(z)`` of a complex argument whose
+    last dimension is not contiguous (``z.t()``, ``z[:, ::2]``) returned: it ran
+    eagerly every call (the argument has no ``view(float32)``); it replays, a view of
+    the caller's argument as in eager."""
+    for f in (_real_of, _imag_of, torch.view_as_real):
+        for shape, part in (((4, 3), lambda b: b.t()), ((3, 6), lambda b: b[:, ::2])):
+            g = autograph.graphed(f)
+            with torch.no_grad():
+                for _ in range(CALLS):
+                    base = torch.randn(shape, dtype=torch.complex64, device=device)
+                    twin = base.clone()
+                    got, want = g(part(base)), f(part(twin))
+                    got = got if isinstance(got, tuple) else (got,)
+                    want = want if isinstance(want, tuple) else (want,)
+                    for a, b in zip(got, want):
+                        assert a.stride() == b.stride() and torch.equal(a, b)
+                    got[-1].add_(1)  # writes the caller's argument, as in eager
+                    want[-1].add_(1)
+                    assert torch.equal(base, twin)
+            replayed(g)
+
+
+def test_real_views_of_strided_complex_arguments(standin):
+    check_real_views_of_strided_complex_arguments()
 
 
 def check_output_building_failure_writes_once(device="cpu"):
@@ -3060,6 +3096,52 @@ def check_classmethods_decorated_in_the_class_body(device: str = "cpu") -> None:
 
 def test_classmethods_decorated_in_the_class_body(standin):
     check_classmethods_decorated_in_the_class_body()
+
+
+class _SlottedScale:
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+    @autograph.graphed
+    def run(self, x):
+        return x * self.w
+
+
+class _ParamsTuple(typing.NamedTuple):
+    w: torch.Tensor
+
+    @autograph.graphed
+    def run(self, x):
+        return x * self.w
+
+
+def check_methods_of_objects_without_weak_references(device: str = "cpu") -> None:
+    """A graphed method of an object that takes no weak reference (``__slots__``
+    without ``__weakref__``, a ``NamedTuple``, ``dataclass(slots=True)``) raised
+    ``TypeError``; it replays, its engine held with the object (the last few such
+    objects per method)."""
+    from autograph import functions
+
+    for make in (_SlottedScale, _ParamsTuple):
+        obj = make(torch.randn(4, device=device))
+        for i in range(6):
+            if i == 4:
+                obj.w.mul_(2)  # in place: the graph reads it
+            x = torch.randn(4, device=device)
+            torch.testing.assert_close(obj.run(x), x * obj.w)
+        assert autograph.stats(obj.run)["replays"] >= 2, autograph.stats(obj.run)
+        for _ in range(functions.MAX_HELD + 4):  # a new object per call: a bounded few kept
+            other = make(torch.randn(4, device=device))
+            x = torch.randn(4, device=device)
+            torch.testing.assert_close(other.run(x), x * other.w)
+        dispatch = type(obj).run._self_wrapper
+        assert len(dispatch.instances) <= functions.MAX_HELD
+
+
+def test_methods_of_objects_without_weak_references(standin):
+    check_methods_of_objects_without_weak_references()
 
 
 class TwoInputs(nn.Module):

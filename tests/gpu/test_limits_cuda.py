@@ -72,10 +72,12 @@ from ..test_guards import (
     check_containers_read_through_children_and_counted_by_the_call,
     check_flags_switched_between_calls_select_graphs,
     check_function_arguments_are_keyed_by_code_and_values,
+    check_grad_read_by_a_partial_or_a_helper,
     check_gradient_checkpointing_models_replay,
     check_gradients_and_flags_of_arguments_are_seen,
     check_held_state_in_training_calls_and_big_objects,
     check_lazy_modules_initialise_then_graph,
+    check_list_flags_switched_between_calls_select_graphs,
     check_modules_held_in_tuples_and_lists_are_watched,
     check_named_tensors_given_other_memory_in_place_are_seen,
     check_nested_and_rebound_ensembles_are_watched,
@@ -87,6 +89,7 @@ from ..test_guards import (
     check_written_state_passed_from_the_first_call,
     check_zero_signs_numpy_scalars_and_complex_values_are_guarded,
 )
+from ..test_memo import check_last_tokens_of_a_growing_sequence_replay
 from ..test_objects import (
     check_a_cache_moved_every_call_runs_eagerly_without_giving_up,
     check_a_forward_returning_a_dynamic_cache,
@@ -95,6 +98,8 @@ from ..test_objects import (
     check_argument_that_is_an_objects_tensor,
     check_objects_of_libraries_named_torch_something_are_plain,
     check_output_that_is_an_objects_tensor,
+    check_subclasses_of_dict_and_list_outputs,
+    check_subclasses_of_dict_list_and_tuple_arguments,
     check_training_a_model_that_returns_a_dynamic_cache,
     check_transformers_collecting_hooks_are_inert_until_a_caller_collects,
 )
@@ -140,6 +145,7 @@ from ..test_usage import (
     check_higher_order_operators_run_eagerly,
     check_lists_and_dicts_a_module_holds,
     check_lists_and_dicts_named_as_globals_or_cells,
+    check_methods_of_objects_without_weak_references,
     check_objects_holding_ordered_dicts_and_return_types,
     check_objects_past_the_walk_limit_are_not_copied,
     check_objects_the_call_returns,
@@ -147,6 +153,7 @@ from ..test_usage import (
     check_overlapping_outputs_keep_their_layout,
     check_python_attributes_set_on_outputs_and_parameters,
     check_python_attributes_set_on_tensor_arguments,
+    check_real_views_of_strided_complex_arguments,
     check_rebound_globals_are_seen,
     check_returned_attribute_tensors_are_themselves,
     check_returned_objects_keep_identities,
@@ -163,6 +170,7 @@ from ..test_usage import (
 from ..test_whole_step import (
     check_accumulating_micro_steps_captured_first_in_their_window,
     check_no_grad_calls_under_grad_mode_survive_training_steps,
+    check_steps_taking_gradients_with_autograd_grad,
     check_whole_steps_see_frozen_layers_and_loaded_optimizer_state,
     check_whole_steps_that_drop_their_gradients_see_outside_ones,
 )
@@ -736,3 +744,35 @@ def test_gradient_checkpointing_models_replay():
 
 def test_accumulating_micro_steps_captured_first_in_their_window():
     check_accumulating_micro_steps_captured_first_in_their_window("cuda")
+
+
+def test_steps_taking_gradients_with_autograd_grad():
+    check_steps_taking_gradients_with_autograd_grad("cuda")
+
+
+def test_grad_read_by_a_partial_or_a_helper():
+    check_grad_read_by_a_partial_or_a_helper("cuda")
+
+
+def test_last_tokens_of_a_growing_sequence_replay():
+    check_last_tokens_of_a_growing_sequence_replay("cuda")
+
+
+def test_subclasses_of_dict_list_and_tuple_arguments():
+    check_subclasses_of_dict_list_and_tuple_arguments("cuda")
+
+
+def test_methods_of_objects_without_weak_references():
+    check_methods_of_objects_without_weak_references("cuda")
+
+
+def test_real_views_of_strided_complex_arguments():
+    check_real_views_of_strided_complex_arguments("cuda")
+
+
+def test_subclasses_of_dict_and_list_outputs():
+    check_subclasses_of_dict_and_list_outputs("cuda")
+
+
+def test_list_flags_switched_between_calls_select_graphs():
+    check_list_flags_switched_between_calls_select_graphs("cuda")

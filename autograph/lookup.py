@@ -16,8 +16,11 @@ from .proxy import GraphedModule
 
 def _bound_handle(obj: Any, make: bool) -> Handle | None:
     """The handle of a graphed function bound to an instance: ``model.forward`` where
-    forward is decorated, or ``graphed(lin.forward)``; made now if ``make``."""
+    forward is decorated, or ``graphed(lin.forward)``; made now if ``make``.  A graphed
+    ``staticmethod`` read from an instance is called unbound: none."""
     parent = _graphed_parent(obj)
+    if parent is not None and isinstance(parent.__wrapped__, staticmethod):
+        return None
     if parent is not None and obj._self_bound_to is not None:
         dispatch, instance = parent._self_dispatch, obj._self_bound_to
     elif isinstance(obj, GraphedFunction) and obj._self_dispatch.bound:
@@ -53,7 +56,8 @@ def _engines_of(obj: Any) -> list[Engine]:
         return [obj._self_engine]
     parent = _graphed_parent(obj)
     if parent is not None:
-        if obj._self_bound_to is None:  # looked up on the class: every instance's
+        if obj._self_bound_to is None or isinstance(parent.__wrapped__, staticmethod):
+            # looked up on the class (every instance's), or a staticmethod's
             return parent._self_dispatch.engines()
         handle = _bound_handle(obj, make=False)
         return [handle.engine] if handle is not None else []
@@ -74,6 +78,9 @@ def handle_of(obj: Any) -> Handle:
     bound = _bound_handle(obj, make=True)
     if bound is not None:
         return bound
+    parent = _graphed_parent(obj)
+    if parent is not None and isinstance(parent.__wrapped__, staticmethod):
+        obj = parent  # read from an instance, called unbound
     if isinstance(obj, GraphedFunction):
         dispatch = obj._self_dispatch
         return dispatch.handle or dispatch._function_engine(obj.__wrapped__)

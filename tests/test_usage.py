@@ -3098,6 +3098,27 @@ def test_classmethods_decorated_in_the_class_body(standin):
     check_classmethods_decorated_in_the_class_body()
 
 
+class _WithStatic:
+    @autograph.graphed
+    @staticmethod
+    def double(x):
+        return x * 2
+
+
+def test_a_graphed_staticmethod_read_from_an_instance_reports_its_calls(standin):
+    """``@autograph.graphed`` over ``@staticmethod``, called through an instance: its
+    calls replay through the function's engine, but ``stats(obj.method)`` looked for an
+    instance's engine and reported 0 calls (``warmup`` raised "not graphed")."""
+    for _ in range(4):
+        x = torch.randn(3)
+        torch.testing.assert_close(_WithStatic().double(x), x * 2)
+    s = autograph.stats(_WithStatic().double)
+    assert s["calls"] == 4 and s["replays"] >= 1, s
+    assert autograph.stats(_WithStatic.double) == s
+    autograph.warmup(_WithStatic().double, torch.randn(5))
+    assert autograph.stats(_WithStatic().double)["graphs"] == 2
+
+
 class _SlottedScale:
     __slots__ = ("w",)
 

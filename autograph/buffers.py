@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 from .flat import size_leaf
 from .mutation import storage_ptr
-from .objects import object_key, open_mapping
+from .objects import object_key
 from .returned import Refused, Spliced, containers_of
 from .sharing import Shared, _extent, is_clone
 from .vocab import EagerReason, Uncapturable
@@ -178,7 +178,7 @@ def output_builder(
 
     The function's ``pool_outputs`` lists the outputs that live in the pool.
     """
-    flat, spec = _flatten_opening(output)
+    flat, spec = pytree.tree_flatten(output, is_leaf=size_leaf)  # a Size: one constant
     arg_storage: dict[int, tuple[int, torch.Tensor]] = {}
     for i, buf in zip(static.positions, static.buffers):
         if _same_geometry(buf, leaves[i]):
@@ -530,21 +530,6 @@ def _retyped(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if t.is_complex() and not t.is_conj() and t.real.dtype == dtype:
             return torch.view_as_real(t)
         raise
-
-
-def _flatten_opening(output: Any) -> tuple[list[Any], Any]:
-    """The output's leaves and spec (a Size is one constant), with the subclasses of
-    ``dict``, ``list`` and ``tuple`` it returns (``class Output(OrderedDict)``) opened
-    first where they rebuild from their items (:func:`autograph.objects.open_mapping`):
-    each replay makes one around its own outputs."""
-    for _ in range(_MAX_OPENED):
-        flat, spec = pytree.tree_flatten(output, is_leaf=size_leaf)
-        if not any([open_mapping(v) for v in flat if isinstance(v, (list, tuple, dict))]):
-            break
-    return flat, spec
-
-
-_MAX_OPENED = 4  # nested levels of such subclasses opened
 
 
 def _filled_by_group(_leaves: list[Any]) -> None:

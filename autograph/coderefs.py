@@ -417,12 +417,12 @@ def _user_module(fn: Any) -> bool:
 def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     """Getters for the attributes of ``obj``, a plain object (not a module) whose method
     ``fn`` is graphed, that the method may read: the modules, tensors and plain values
-    held in ``obj.__dict__`` under a name its code (or a method of ``obj``'s class it
+    held in ``obj.__dict__`` (or its slots) under a name its code (or a method of ``obj``'s class it
     names) uses, and its class's plain values under such names; and the number of
     attributes (one added may shadow a class attribute)."""
-    d = getattr(obj, "__dict__", None)
+    d = attributes(obj)  # its __dict__, or its slots (``dataclass(slots=True)``)
     codes = _codes_of(fn)
-    if not isinstance(d, dict) or not codes:
+    if not isinstance(d, (dict, AttributesView)) or not codes:
         return []
     names = _attribute_names(type(obj), codes)
     out = [(_global_getter(d, n), d[n]) for n in sorted(names) if n in d and _trackable(d[n])]

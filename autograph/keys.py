@@ -270,7 +270,7 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
                 raise Uncapturable(EagerReason.UNKEYABLE, _tensor_kind(x))
             try:
                 shape, stride = x.shape, x.stride()
-                if 1 in shape and len(shape) < 4:
+                if 1 in shape and len(shape) < 4 and x.is_contiguous():
                     stride = unit_strides(shape, stride, 1)
                 part = _new(TensorKey, (shape, stride, x.dtype, x.device, x.requires_grad,
                                         (x.is_conj(), x.is_neg())))

@@ -224,65 +224,40 @@ def _state_diff(a: Any, b: Any, path: str) -> str:
     return path
 
 
-# -- containers pytree leaves closed: other mappings, subclasses of dict, list, tuple --
+# -- mappings that are no dict (BatchEncoding, UserDict) -----------------------------
 _opened: dict[type, bool] = {}
 
 
 def open_mapping(x: Any) -> bool:
-    """Make pytree open ``x``'s type if it is a mapping that is no dict, or a subclass
-    of ``dict``, ``list`` or ``tuple`` pytree does not know (``class Batch(dict)``),
-    that rebuilds from its items (``type(x)(dict)``, as ``BatchEncoding`` and
-    ``UserDict`` do; ``type(x)(list)``) and holds no other attributes: its tensors are
-    then arguments like a dict's (copied into static buffers), and the function
-    receives a container of the same type.  True if the type is now opened (one that
-    is not is walked as an object, its items included)."""
+    """Make pytree open ``x``'s type if it is a mapping that is no dict and rebuilds
+    from its items (``type(x)(dict)``, as ``BatchEncoding`` and ``UserDict`` do): its
+    tensors are then arguments like a dict's (copied into static buffers), and the
+    function receives a mapping of the same type.  True if the type is now opened."""
     cls = type(x)
     known = _opened.get(cls)
     if known is not None:
         return known
-    sequence = isinstance(x, (list, tuple))
-    # a builtin container's subclass keeps its items itself: any other attribute would
-    # be lost (a mapping that is no dict keeps them in attributes: ``UserDict.data``)
-    builtin = sequence or isinstance(x, dict)
     ok = False
-    if (isinstance(x, Mapping) or sequence) and (not builtin or _no_attributes(x)):
+    if isinstance(x, Mapping) and not isinstance(x, dict):
         try:
-            again = cls(list(x)) if sequence else cls(dict(x.items()))  # type: ignore[call-arg]
-            ok = type(again) is cls and list(_items(again, sequence)) == list(
-                _items(x, sequence)) and (not builtin or _no_attributes(again))
+            again = cls(dict(x.items()))  # type: ignore[call-arg]
+            ok = type(again) is cls and list(again.keys()) == list(x.keys())
         except Exception:  # noqa: BLE001 - any failure: keyed as an object instead
             ok = False
     if ok:
+        def flatten(m: Any) -> tuple[list[Any], Any]:
+            return list(m.values()), list(m.keys())
+
+        def unflatten(values: Any, keys: Any) -> Any:
+            return cls(dict(zip(keys, values)))  # type: ignore[call-arg]
+
         try:
-            _register(cls, sequence)
+            pytree.register_pytree_node(cls, flatten, unflatten,
+                                        serialized_type_name=f"autograph.{cls.__qualname__}")
         except ValueError:  # registered meanwhile
             pass
     _opened[cls] = ok
     return ok
-
-
-def _no_attributes(x: Any) -> bool:
-    """No instance attributes besides the items (an attribute dict that is itself:
-    ``self.__dict__ = self``)."""
-    d = getattr(x, "__dict__", None)
-    return not d or d is x
-
-
-def _items(x: Any, sequence: bool) -> Any:
-    """What tells two containers apart for the rebuild check (the keys of a mapping,
-    whose values may not compare: tensors)."""
-    return (id(v) for v in x) if sequence else x.keys()
-
-
-def _register(cls: type, sequence: bool) -> None:
-    def flatten(c: Any) -> tuple[list[Any], Any]:
-        return (list(c), None) if sequence else (list(c.values()), list(c.keys()))
-
-    def unflatten(values: Any, keys: Any) -> Any:
-        return cls(list(values)) if sequence else cls(dict(zip(keys, values)))  # type: ignore[call-arg]
-
-    pytree.register_pytree_node(cls, flatten, unflatten,
-                                serialized_type_name=f"autograph.{cls.__qualname__}")
 
 
 def _host_version(t: torch.Tensor, path: str) -> Any:

@@ -112,8 +112,9 @@ def test_graphed_calls_with_in_place_resized_arguments_equal_eager(standin):
 def check_last_tokens_of_a_growing_sequence_replay(device="cpu"):
     """A hand-written decode loop feeding ``ids[:, -1:]`` of a growing batch-1 sequence:
     its stride ``(L, 1)`` changed at every step, so each step keyed anew and nothing
-    replayed.  Strides of size-1 dimensions (below 4 dimensions) are not keyed; the
-    results, and a conv's memory format on an ``N1HW`` input, equal eager's."""
+    replayed.  Strides of size-1 dimensions of contiguous tensors below 4 dimensions
+    are not keyed; the results, and a conv's memory format on an ``N1HW`` input or on a
+    non-contiguous 3-d argument made 4-d inside the call, equal eager's."""
     emb = torch.nn.Embedding(50, 8).to(device)
     g = autograph.graphed(emb)
     ids = torch.randint(0, 50, (1, 3), device=device)
@@ -135,6 +136,18 @@ def check_last_tokens_of_a_growing_sequence_replay(device="cpu"):
             torch.testing.assert_close(got, want)
             assert got.stride() == want.stride()
     assert autograph.stats(c)["replays"] >= 4, autograph.stats(c)
+    # a non-contiguous 3-d argument made 4-d inside: the batch stride decides
+    # channels_last there, so it stays keyed
+    weight = torch.randn(4, 5, 1, 3, device=device)
+    f = autograph.graphed(lambda x: torch.nn.functional.conv2d(x.unsqueeze(2), weight))
+    with torch.no_grad():
+        for i in range(12):
+            base = torch.randn(1, 6, 5, device=device).transpose(1, 2)  # (1, 5, 6)
+            x = base if i % 2 else base[:, :, :6].as_strided((1, 5, 6), (5, 1, 5))
+            got, want = f(x), torch.nn.functional.conv2d(x.unsqueeze(2), weight)
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+    assert autograph.stats(f)["replays"] >= 4, autograph.stats(f)
 
 
 def test_last_tokens_of_a_growing_sequence_replay(standin):

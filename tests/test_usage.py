@@ -3142,14 +3142,16 @@ def check_methods_of_objects_without_weak_references(device: str = "cpu") -> Non
     """A graphed method of an object that takes no weak reference (``__slots__``
     without ``__weakref__``, a ``NamedTuple``, ``dataclass(slots=True)``) raised
     ``TypeError``; it replays, its engine held with the object (the last few such
-    objects per method)."""
+    objects per method), and a slot assigned between calls is seen."""
     from autograph import functions
 
     for make in (_SlottedScale, _ParamsTuple):
         obj = make(torch.randn(4, device=device))
-        for i in range(6):
+        for i in range(9):
             if i == 4:
                 obj.w.mul_(2)  # in place: the graph reads it
+            if i == 6 and make is _SlottedScale:
+                obj.w = torch.randn(4, device=device)  # a slot assigned: seen
             x = torch.randn(4, device=device)
             torch.testing.assert_close(obj.run(x), x * obj.w)
         assert autograph.stats(obj.run)["replays"] >= 2, autograph.stats(obj.run)

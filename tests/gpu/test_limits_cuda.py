@@ -98,7 +98,6 @@ from ..test_objects import (
     check_argument_that_is_an_objects_tensor,
     check_objects_of_libraries_named_torch_something_are_plain,
     check_output_that_is_an_objects_tensor,
-    check_subclasses_of_dict_and_list_outputs,
     check_subclasses_of_dict_list_and_tuple_arguments,
     check_training_a_model_that_returns_a_dynamic_cache,
     check_transformers_collecting_hooks_are_inert_until_a_caller_collects,
@@ -768,10 +767,6 @@ def test_methods_of_objects_without_weak_references():
 
 def test_real_views_of_strided_complex_arguments():
     check_real_views_of_strided_complex_arguments("cuda")
-
-
-def test_subclasses_of_dict_and_list_outputs():
-    check_subclasses_of_dict_and_list_outputs("cuda")
 
 
 def test_list_flags_switched_between_calls_select_graphs():

@@ -302,9 +302,13 @@ class Watch:
         return self.hook_reason
 
     def still_marks_grad(self) -> bool:
-        """:attr:`marks_grad`, read again (its hook may have been removed since)."""
-        self.marks_grad = notify.marks_grad(self.every_module(), self._own)
-        return self.marks_grad
+        """Whether the hook of :attr:`marks_grad` is still there (it may have been
+        removed since: then it is no longer looked for) on an embedding whose weight
+        requires no grad (where it changes what autograd records; a weight frozen or
+        unfrozen later is seen, as this is read at every call where the hook is)."""
+        modules = self.every_module()
+        self.marks_grad = notify.marks_grad(modules, self._own)
+        return self.marks_grad and notify.marks_grad(modules, self._own, frozen=True)
 
     def _hidden_same(self) -> bool:
         for ref, ptr, version in self._hidden:
@@ -385,6 +389,31 @@ class Watch:
             else:
                 _set_quietly(module, name, was)
         self.forget_assignments()
+
+    def hook_marks(self) -> list[tuple[Any, dict[str, frozenset[int]]]]:
+        """The ids of the hooks each watched module has now (:meth:`remove_hooks_since`
+        removes those a failed capture's Python registered)."""
+        return [(weakref.ref(m), {name: frozenset(d) for name in _HOOK_DICTS
+                                  if isinstance(d := m.__dict__.get(name), dict)})
+                for m in self.every_module()]
+
+    def remove_hooks_since(self, marks: list[tuple[Any, dict[str, frozenset[int]]]]) -> None:
+        """Remove the module hooks registered since ``marks`` (a capture that failed: its
+        Python ran, and a hook it installed once, as transformers' output-capturing
+        hooks with their flag, which :meth:`undo_assignments` deletes, would be
+        installed again by the eager run: every output twice)."""
+        for ref, before in marks:
+            m = ref()
+            if m is None:
+                continue
+            for name, ids in before.items():
+                d = m.__dict__.get(name)
+                for k in [k for k in d if k not in ids] if isinstance(d, dict) else ():
+                    for extra in _HOOK_EXTRAS:  # what the hook's handle removes with it
+                        extra_d = m.__dict__.get(extra)
+                        if isinstance(extra_d, dict):
+                            extra_d.pop(k, None)
+                    del d[k]
 
     def owner_assigned(self, name: str) -> None:
         """The call running assigned an attribute of the plain object (as the hook tells
@@ -592,6 +621,11 @@ class Watch:
         return True
 
 
+# a module's hook dictionaries, and those keyed by the same hook ids alongside
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+               "_backward_pre_hooks")
+_HOOK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                "_forward_pre_hooks_with_kwargs")
 _HOOK_KIND = "_is_full_backward_hook"  # set by nn.Module's backward hook registration
 _FLAG_TYPES = frozenset({bool, str, type(None)})
 MAX_FLAG_VALUES = 8  # values of a flag keyed; past them it drops the graphs per value

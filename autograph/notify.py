@@ -260,11 +260,15 @@ def _hooked(m: nn.Module) -> bool:
                for hook in hooks.values())
 
 
-def marks_grad(modules: list[nn.Module], skip: set[int]) -> bool:
+def marks_grad(modules: list[nn.Module], skip: set[int], frozen: bool = False) -> bool:
     """Whether any of ``modules`` (but those in ``skip``) has transformers' hook that
-    marks the input embeddings' output as requiring grad (:func:`_marks_grad`)."""
-    return any(_marks_grad(hook) for m in modules if id(m) not in skip
-               for hook in m._forward_hooks.values())
+    marks the input embeddings' output as requiring grad (:func:`_marks_grad`); with
+    ``frozen``, only where that changes something: the module's own parameters require
+    no grad (a frozen embedding, PEFT's; a trainable one's output requires grad
+    already, and ``gradient_checkpointing_disable()`` leaves the hook there)."""
+    return any(_marks_grad(hook) and not (frozen and any(
+        p.requires_grad for p in m.parameters(recurse=False)))
+        for m in modules if id(m) not in skip for hook in m._forward_hooks.values())
 
 
 def _marks_grad(hook: Any) -> bool:

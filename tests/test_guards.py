@@ -2191,10 +2191,12 @@ def check_gradient_checkpointing_models_replay(device="cpu"):
     """``gradient_checkpointing_enable()`` puts transformers' hook on the input
     embeddings that marks their output as requiring grad: every call of the model then
     ran eagerly (``hooks``), ``no_grad`` evaluation too.  Evaluation now replays past
-    it; training calls (which autograd records) run eagerly while it is there, and so
-    do they once it is removed: transformers takes a capture for tracing and builds
-    other masks, so on CUDA checkpointing's recomputation of a captured forward, run
-    outside the capture, failed its check in the first backward."""
+    it; training calls with checkpointing run eagerly: transformers takes a capture for
+    tracing and builds other masks, so on CUDA checkpointing's recomputation of a
+    captured forward, run outside the capture, failed its check in the first backward.
+    ``gradient_checkpointing_disable()`` leaves the hook: training replays past it
+    where the embedding's weight requires grad (its output does already), and runs
+    eagerly where it is frozen (the hook marks the output then)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -2215,13 +2217,20 @@ def check_gradient_checkpointing_models_replay(device="cpu"):
     assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
     model.train()
     twin.train()
-    _train_alike(g, twin, 5, device)
-    s = autograph.stats(g)
-    assert s["eager_reasons"].get("hooks") == 5 and s["replays"] >= 2, s
-    model.disable_input_require_grads()
-    _train_alike(g, twin, 6, device)  # the hook gone: checkpointing there runs eagerly
+    _train_alike(g, twin, 5, device)  # checkpointing in transformers: eagerly
     details = autograph.stats(g)["eager_details"]["backward_unsupported"]
     assert any("checkpointing in transformers" in k for k in details), details
+    for m in (model, twin):
+        m.gradient_checkpointing_disable()
+    hooked = any(model.get_input_embeddings()._forward_hooks.values())
+    before = autograph.stats(g)["replays"]
+    _train_alike(g, twin, 6, device)  # the hook left behind changes nothing: replays
+    assert autograph.stats(g)["replays"] >= before + 3, autograph.stats(g)
+    if hooked:  # a frozen embedding's output is marked by it: eagerly
+        for m in (model, twin):
+            m.get_input_embeddings().weight.requires_grad_(False)
+        _train_alike(g, twin, 3, device)
+        assert autograph.stats(g)["eager_reasons"].get("hooks", 0) >= 3, autograph.stats(g)
 
 
 def test_gradient_checkpointing_models_replay(standin):
@@ -2269,3 +2278,39 @@ def test_float_subclass_arguments_are_keyed_by_type_and_bits(standin):
         x = torch.rand(3) + 1
         torch.testing.assert_close(g(x, t), torch.copysign(x, torch.tensor(t)) / abs(t or 1.0))
     assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+def check_output_flags_switched_in_a_transformers_config(device="cpu"):
+    """``config.output_hidden_states = True`` (or ``output_attentions``) set after a
+    graph was captured: the next call was captured without a warmup, transformers
+    installed its output-capturing hooks during that capture, which then failed; the
+    attribute flag it set was undone but the hooks stayed, the eager run installed them
+    again, and every later output (eager ones too) held each hidden state twice.  A
+    failed capture removes the module hooks its Python registered."""
+    pytest.importorskip("transformers")
+    from .gpu.models import decoder
+
+    model = decoder("llama", hidden=32, vocab=96, device=device)
+    model.config._attn_implementation = "eager"
+    twin, g = copy.deepcopy(model), autograph.graphed(model)
+    x = torch.randint(1, 96, (2, 7), device=device)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(g(x).logits, twin(x).logits)
+        for name in ("output_hidden_states", "output_attentions"):
+            setattr(model.config, name, True)
+            setattr(twin.config, name, True)
+            for _ in range(5):
+                got, want = g(x), twin(x)
+                for field in ("hidden_states", "attentions"):
+                    a, b = getattr(got, field), getattr(want, field)
+                    assert (a is None) == (b is None) and len(a or ()) == len(b or ())
+                    for t, u in zip(a or (), b or ()):
+                        torch.testing.assert_close(t, u)
+    layer = model.model.layers[0]
+    assert len(layer._forward_hooks) == len(twin.model.layers[0]._forward_hooks)
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+def test_output_flags_switched_in_a_transformers_config(standin):
+    check_output_flags_switched_in_a_transformers_config()

@@ -83,6 +83,7 @@ from ..test_guards import (
     check_nested_and_rebound_ensembles_are_watched,
     check_numpy_scalars_complex_and_conjugate_arguments_are_keyed,
     check_objects_a_module_holds_changed_by_the_call,
+    check_output_flags_switched_in_a_transformers_config,
     check_scripted_modules_attributes_and_modes_are_seen,
     check_slotted_and_private_configs_are_seen,
     check_swapped_parameters_after_training_calls,
@@ -771,3 +772,7 @@ def test_real_views_of_strided_complex_arguments():
 
 def test_list_flags_switched_between_calls_select_graphs():
     check_list_flags_switched_between_calls_select_graphs("cuda")
+
+
+def test_output_flags_switched_in_a_transformers_config():
+    check_output_flags_switched_in_a_transformers_config("cuda")

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .returned import DISTRIBUTIONS
+from .walk import slot_names
 
 
 def _numpy_scalar_type() -> type:
@@ -255,23 +256,13 @@ def slotted(value: Any) -> bool:
             and _user_class(type(value)) and not isinstance(value, type))
 
 
-def _slot_names(cls: type) -> tuple[str, ...]:
-    """The slot names of ``cls`` and its bases (not ``__dict__``, ``__weakref__``)."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = vars(klass).get("__slots__", ())
-        names += [n for n in ((slots,) if isinstance(slots, str) else slots)
-                  if n not in ("__dict__", "__weakref__")]
-    return tuple(names)
-
-
 class AttributesView(Mapping[str, Any]):
     """An object with slots: its attributes as a live mapping, as its ``__dict__`` would
     be (its slots, an unset one absent, then its ``__dict__`` if it has one)."""
 
     def __init__(self, obj: Any) -> None:
         self._obj = obj
-        self._names = _slot_names(type(obj))
+        self._names = slot_names(type(obj))
         self._dict = _safe_getattr(obj, "__dict__")
 
     def __getitem__(self, name: str) -> Any:
@@ -303,7 +294,7 @@ def _safe_getattr(obj: Any, name: str) -> Any:
 def attributes(value: Any) -> Mapping[str, Any]:
     """An object's attributes, live: its ``__dict__`` (a class's: a mapping proxy), or
     where its class has slots an :class:`AttributesView` (slots and ``__dict__``)."""
-    if _slot_names(type(value)):
+    if slot_names(type(value)):
         return AttributesView(value)
     own = _safe_getattr(value, "__dict__")
     return own if isinstance(own, Mapping) else {}

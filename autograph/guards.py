@@ -564,7 +564,7 @@ class Watch:
                 flags += tuple(_flag_value(ref(), name) for ref, name in self._flags)
             self._training = flags
         if self._live_flags:  # a list flag may change in place: read at every call
-            return flags + tuple(_flag_value(ref(), name) for ref, name in self._live_flags)
+            return flags + tuple(_live_value(ref(), name) for ref, name in self._live_flags)
         return flags
 
     def _on_assign(self, module: nn.Module, name: str, swap: bool = False,
@@ -647,6 +647,22 @@ def flag_key(value: Any) -> Any:
             type(v) in _FLAG_TYPES for v in value):
         return (kind, *value)
     return _NO_FLAG
+
+
+def _live_value(module: nn.Module | None, name: str) -> Any:
+    """A list flag's value as keyed at a call: :func:`flag_key`'s, or where the list no
+    longer is one (grown long, given another kind of item in place) its items where
+    they hash, else a new object (a key no graph has: that call captures anew)."""
+    key = _flag_value(module, name)
+    if key is not _NO_FLAG:
+        return key
+    value: Any = getattr(module, name, None)
+    try:
+        out = (type(value), *value)
+        hash(out)
+        return out
+    except TypeError:
+        return object()
 
 
 def _flag_value(module: nn.Module | None, name: str) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -21,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from . import containers
 from .flat import BY_VALUE, FLAT, Flat, size_leaf, spec_key, unopened
-from .memo import KeyMemo, unit_strides
+from .memo import KeyMemo
 from .modes import USER_MODE
 from .objects import (
     QUANTIZED,
@@ -271,7 +272,7 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
             try:
                 shape, stride = x.shape, x.stride()
                 if 1 in shape and len(shape) < 4 and x.is_contiguous():
-                    stride = unit_strides(shape, stride, 1)
+                    stride = outer_unit_strides(shape, stride)
                 part = _new(TensorKey, (shape, stride, x.dtype, x.device, x.requires_grad,
                                         (x.is_conj(), x.is_neg())))
             except (RuntimeError, NotImplementedError):  # nested tensors have no strides
@@ -295,6 +296,24 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
                 objs = []
             objs.append((i, walked))
     return tuple(parts), tuple(tensor_pos), device, objs
+
+
+def outer_unit_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor as keyed: a size-1 dimension's stride, which
+    no element's address depends on, as the contiguous one where it is at least that
+    (an outer dimension: the last token of a growing sequence, ``ids[:, -1:]`` with
+    stride ``(L, 1)``, keys alike at every length), else as it is: a smaller one
+    (``(1, L, C)`` with batch stride ``C``, from a transpose) makes layout decisions
+    inside the call (``suggest_memory_format`` after a permute) come out otherwise.
+    Below 4 dimensions only: there no memory format reads the tensor's own strides.
+    The key memo checks exact strides, so such a tensor takes the full key path."""
+    out = list(stride)
+    inner = 1
+    for i in range(len(shape) - 1, -1, -1):
+        if shape[i] == 1 and stride[i] >= inner:
+            out[i] = inner
+        inner *= shape[i]
+    return tuple(out)
 
 
 def _aliases(leaves: Any, tensor_pos: tuple[int, ...]) -> tuple[Any, ...]:

@@ -15,7 +15,7 @@ builds it differently, the memo stays empty and every call takes the full path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,44 +86,13 @@ class KeyMemo:
             return
         try:
             guards = _TensorGuards(*args, dynamic_dims_sizes=[list(p[0]) for p in parts],
-                                   dynamic_dims_strides=[_strides(p) for p in parts])
+                                   dynamic_dims_strides=[list(p[1]) for p in parts])
         except Exception:  # noqa: BLE001 - a check built otherwise here: no memo
             return
         recent = self.recent
         if len(recent) >= MAX_REMEMBERED:
             del recent[0]
         recent.append(Remembered(guards.check, parts, device))
-
-
-def unit_strides(shape: Sequence[int], stride: Sequence[int], unit: Any) -> tuple[Any, ...]:
-    """``stride`` with ``unit`` for each dimension of size 1, whose stride no element's
-    address depends on: the last token of a growing sequence (``ids[:, -1:]``, stride
-    ``(L, 1)``) keys alike at every length.  Keys use it for contiguous tensors below 4
-    dimensions only: there the strides of size-1 dimensions decide no memory format
-    (``channels_last`` reads them, also of a view made 4-dimensional inside the call
-    from a non-contiguous argument)."""
-    return tuple(unit if n == 1 else s for n, s in zip(shape, stride))
-
-
-def _strides(part: Any) -> list[int | None]:
-    """The strides the check compares: not those of the dimensions a key leaves out
-    (:func:`unit_strides`; a tensor passing the check of a contiguous one's is
-    contiguous too, contiguity ignoring size-1 dimensions)."""
-    shape, stride = part[0], part[1]
-    if 1 in shape and len(shape) < 4 and _contiguous(shape, stride):
-        return list(unit_strides(shape, stride, None))
-    return list(stride)
-
-
-def _contiguous(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    """``Tensor.is_contiguous()`` from sizes and strides (size-1 dimensions skipped)."""
-    expected = 1
-    for n, s in zip(reversed(shape), reversed(stride)):
-        if n != 1:
-            if s != expected:
-                return False
-            expected *= n
-    return True
 
 
 def same_tensors(tensors: list[torch.Tensor]) -> Callable[[list[torch.Tensor]], bool]:

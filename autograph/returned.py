@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from .walk import slot_names
+
 MAX_NODES = 10_000  # objects, containers and values walked in a call's returned objects
 
 _ATOMS = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
@@ -245,7 +247,7 @@ class _Walk:
 
     def _object(self, value: Any) -> Any:
         cls = type(value)
-        if not _plain_class(cls) or not (hasattr(value, "__dict__") or _slot_names(cls)):
+        if not _plain_class(cls) or not (hasattr(value, "__dict__") or slot_names(cls)):
             return self._refuse(f"a {cls.__qualname__}, which is made otherwise")
         names = []
         for name, item in getattr(value, "__dict__", {}).items():
@@ -254,7 +256,7 @@ class _Walk:
                 return None
             names.append((name, c))
         slots = []
-        for name in _slot_names(cls):
+        for name in slot_names(cls):
             if not hasattr(value, name):
                 continue
             c = self.node(getattr(value, name))
@@ -297,21 +299,6 @@ def _plain_protocol() -> frozenset[Any]:
 
 
 _PLAIN_PROTOCOL = _plain_protocol()
-
-
-def _slot_names(cls: type) -> list[str]:
-    """The attribute names of ``cls``'s slots (private ones as Python mangles them)."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = vars(klass).get("__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
-            if name in ("__dict__", "__weakref__"):
-                continue
-            if name.startswith("__") and not name.endswith("__"):
-                owner = klass.__name__.lstrip("_")
-                name = f"_{owner}{name}" if owner else name
-            names.append(name)
-    return names
 
 
 def reachable(roots: Iterable[Any], limit: int = MAX_NODES) -> tuple[set[int], bool]:

@@ -108,12 +108,16 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
                                  for i, v in enumerate(x)))
     if tx is dict:
         keys = tuple(x)
-        if not all(isinstance(k, (str, int)) for k in keys):
-            return ("id", tx, id(x))
-        return ("map", keys, tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
-                                   for k, v in x.items()))
+        values = tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
+                       for k, v in x.items())
+        if not all(type(k) is str or type(k) is int for k in keys):  # keys walked too
+            keys = tuple(walk(k, walked, f"{path}.<key>", depth + 1, counter) for k in keys)
+            return ("map*", keys, values)
+        return ("map", keys, values)
     if isinstance(x, (list, tuple, dict)):  # a subclass: its items and its attributes
-        items = dict(x) if isinstance(x, dict) else tuple(x)
+        # what the container holds, past overridden ``__iter__``/``keys``/``items``
+        items = dict(dict.items(x)) if isinstance(x, dict) else tuple(
+            list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x))
         own = {} if getattr(x, "__dict__", None) is x else (_attributes(x) or {})
         return ("subclass", tx, walk(items, walked, path, depth + 1, counter),
                 walk(own, walked, path, depth + 1, counter))
@@ -138,6 +142,23 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
     names = tuple(attrs)
     return ("attrs", names, tuple(walk(v, walked, f"{path}.{k}", depth + 1, counter)
                                   for k, v in attrs.items()), tx)
+
+
+def slot_names(cls: type) -> tuple[str, ...]:
+    """The attribute names of the slots of ``cls`` and its bases (``__slots__`` given
+    as a string too; private ones as Python mangles them; not ``__dict__`` or
+    ``__weakref__``)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name in ("__dict__", "__weakref__"):
+                continue
+            if name.startswith("__") and not name.endswith("__"):
+                owner = klass.__name__.lstrip("_")
+                name = f"_{owner}{name}" if owner else name
+            names.append(name)
+    return tuple(names)
 
 
 class Held:
@@ -208,14 +229,13 @@ def _attributes(x: Any) -> dict[str, Any] | None:
     for an object without any (keyed by identity then)."""
     d = getattr(x, "__dict__", None)
     out: dict[str, Any] = dict(d) if isinstance(d, dict) else {}
-    for cls in type(x).__mro__:
-        for name in cls.__dict__.get("__slots__", ()):
-            if name in ("__dict__", "__weakref__") or name in out:
-                continue
-            try:
-                out[name] = getattr(x, name)
-            except AttributeError:
-                continue
+    for name in slot_names(type(x)):
+        if name in out:
+            continue
+        try:
+            out[name] = getattr(x, name)
+        except AttributeError:
+            continue
     if not out and not isinstance(d, dict):
         return None
     return out

@@ -1873,6 +1873,15 @@ def check_list_flags_switched_between_calls_select_graphs(device="cpu"):
             torch.testing.assert_close(g(x), twin(x))
     s = autograph.stats(g)
     assert s["replays"] >= 12 and s["invalidations"] <= 1, s
+    with torch.no_grad():  # grown past a flag's length in place, then changed: seen
+        for i in range(12):
+            for mod in (m, twin):
+                if i == 2:
+                    mod._active_adapter.extend(["a"] * 8)
+                if i == 8:
+                    mod._active_adapter[0] = "a" if mod._active_adapter[0] == "b" else "b"
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
 
 
 def test_list_flags_switched_between_calls_select_graphs(standin):

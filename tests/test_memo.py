@@ -112,9 +112,10 @@ def test_graphed_calls_with_in_place_resized_arguments_equal_eager(standin):
 def check_last_tokens_of_a_growing_sequence_replay(device="cpu"):
     """A hand-written decode loop feeding ``ids[:, -1:]`` of a growing batch-1 sequence:
     its stride ``(L, 1)`` changed at every step, so each step keyed anew and nothing
-    replayed.  Strides of size-1 dimensions of contiguous tensors below 4 dimensions
-    are not keyed; the results, and a conv's memory format on an ``N1HW`` input or on a
-    non-contiguous 3-d argument made 4-d inside the call, equal eager's."""
+    replayed.  Strides of size-1 dimensions of contiguous tensors below 4 dimensions are
+    keyed as the contiguous ones where at least those; the results, and the layouts
+    of a conv on an ``N1HW`` input, on a non-contiguous 3-d argument made 4-d inside
+    the call and of a pool of a transposed (1, L, C) of batch stride C, equal eager's."""
     emb = torch.nn.Embedding(50, 8).to(device)
     g = autograph.graphed(emb)
     ids = torch.randint(0, 50, (1, 3), device=device)
@@ -148,6 +149,19 @@ def check_last_tokens_of_a_growing_sequence_replay(device="cpu"):
             torch.testing.assert_close(got, want)
             assert got.stride() == want.stride()
     assert autograph.stats(f)["replays"] >= 4, autograph.stats(f)
+    # a contiguous (1, L, C) whose batch stride is C (from a transpose) pools in
+    # another layout once transposed inside: a size-1 stride below the contiguous one
+    # stays keyed
+    p = autograph.graphed(lambda x: torch.nn.functional.avg_pool1d(x.transpose(1, 2), 2))
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(4, 1, 3, device=device).transpose(0, 1) if i % 2 else \
+                torch.randn(1, 4, 3, device=device)
+            got = p(x)
+            want = torch.nn.functional.avg_pool1d(x.transpose(1, 2), 2)
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+    assert autograph.stats(p)["replays"] >= 4, autograph.stats(p)
 
 
 def test_last_tokens_of_a_growing_sequence_replay(standin):

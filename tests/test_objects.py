@@ -1116,3 +1116,91 @@ def check_subclasses_of_dict_list_and_tuple_arguments(device="cpu"):
 
 def test_subclasses_of_dict_list_and_tuple_arguments(standin):
     check_subclasses_of_dict_list_and_tuple_arguments()
+
+
+class _Public(dict):
+    """Hides its ``_``-prefixed items from iteration (as a config class might)."""
+
+    def __iter__(self):
+        return (k for k in dict.__iter__(self) if not k.startswith("_"))
+
+    def keys(self):
+        return list(iter(self))
+
+
+class _Head(list):
+    def __iter__(self):
+        return iter(list.__getitem__(self, slice(0, 1)))
+
+
+class _OneSlot:
+    __slots__ = "scale"
+
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class _PrivateSlot:
+    __slots__ = ("__scale", "name")
+
+    def __init__(self, scale):
+        self.__scale = scale
+        self.name = "s"
+
+    def scale(self):
+        return self.__scale
+
+
+class _PrivateScaler:
+    __slots__ = ("__scale",)
+
+    def __init__(self):
+        self.__scale = 2.0
+
+    def set_scale(self, value):
+        self.__scale = value
+
+    @autograph.graphed
+    def apply(self, x):
+        return x * self.__scale
+
+
+def check_values_argument_walks_used_to_miss(device="cpu"):
+    """Values an argument object holds where the walk did not look, so a replay kept
+    the capture's (stale results): the values of a dict with other keys than strings
+    and ints (keyed by the dict's identity), items hidden by a subclass's overridden
+    ``__iter__``/``keys``, a ``__slots__`` given as one string, a private slot (its
+    mangled name), also of a graphed method's own object."""
+    import types
+
+    objects = (types.SimpleNamespace(scales={("q", 0): 2.0}), _Public(a=1.0, _s=2.0),
+               _Head([1.0, 2.0]), _OneSlot(2.0), _PrivateSlot(2.0))
+    reads = (lambda o: o.scales[("q", 0)], lambda o: dict.__getitem__(o, "_s"),
+             lambda o: list.__getitem__(o, 1), lambda o: o.scale, lambda o: o.scale())
+    sets = (lambda o, s: o.scales.__setitem__(("q", 0), s),
+            lambda o, s: dict.__setitem__(o, "_s", s),
+            lambda o, s: list.__setitem__(o, 1, s),
+            lambda o, s: setattr(o, "scale", s),
+            lambda o, s: setattr(o, "_PrivateSlot__scale", s))
+    for obj, read, put in zip(objects, reads, sets):
+        def f(x, o, read=read):
+            return x * read(o)
+
+        g = autograph.graphed(f)
+        for i in range(8):
+            s = 2.0 if i < 4 else float(i)
+            put(obj, s)
+            x = torch.randn(3, device=device)
+            torch.testing.assert_close(g(x, obj), x * s)
+        assert autograph.stats(g)["replays"] >= 1, autograph.stats(g)
+    obj = _PrivateScaler()
+    for i in range(8):
+        if i >= 4:
+            obj.set_scale(float(i))
+        x = torch.randn(3, device=device)
+        torch.testing.assert_close(obj.apply(x), x * (2.0 if i < 4 else float(i)))
+    assert autograph.stats(obj.apply)["replays"] >= 1, autograph.stats(obj.apply)
+
+
+def test_values_argument_walks_used_to_miss(standin):
+    check_values_argument_walks_used_to_miss()

@@ -102,6 +102,7 @@ from ..test_objects import (
     check_subclasses_of_dict_list_and_tuple_arguments,
     check_training_a_model_that_returns_a_dynamic_cache,
     check_transformers_collecting_hooks_are_inert_until_a_caller_collects,
+    check_values_argument_walks_used_to_miss,
 )
 from ..test_recapture import check_an_lstm_graphs_again_after_its_parameters_are_replaced
 from ..test_region import (
@@ -776,3 +777,7 @@ def test_list_flags_switched_between_calls_select_graphs():
 
 def test_output_flags_switched_in_a_transformers_config():
     check_output_flags_switched_in_a_transformers_config("cuda")
+
+
+def test_values_argument_walks_used_to_miss():
+    check_values_argument_walks_used_to_miss("cuda")

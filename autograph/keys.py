@@ -299,20 +299,25 @@ def _leaf_keys(leaves: Any) -> tuple[tuple[Any, ...], tuple[int, ...], Any, Any]
 
 
 def outer_unit_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
-    """The strides of a contiguous tensor as keyed: a size-1 dimension's stride, which
-    no element's address depends on, as the contiguous one where it is at least that
-    (an outer dimension: the last token of a growing sequence, ``ids[:, -1:]`` with
-    stride ``(L, 1)``, keys alike at every length), else as it is: a smaller one
-    (``(1, L, C)`` with batch stride ``C``, from a transpose) makes layout decisions
-    inside the call (``suggest_memory_format`` after a permute) come out otherwise.
-    Below 4 dimensions only: there no memory format reads the tensor's own strides.
-    The key memo checks exact strides, so such a tensor takes the full key path."""
+    """The strides of a contiguous tensor as keyed: a leading size-1 dimension's stride
+    (before any other dimension), which no element's address depends on, as the
+    contiguous one where it is at least that (the last token of a growing sequence,
+    ``ids[:, -1:]`` with stride ``(L, 1)``, ``h[:, -1:]`` of a batch of one, keys alike
+    at every length); every other stride as it is: a smaller one, or one of a size-1
+    dimension after another, decides layouts inside the call once permuted
+    (``suggest_memory_format``, a pool's output; checked by brute force over
+    permutes, unsqueezes, pools, convs and copies).  Below 4 dimensions only.  The
+    key memo checks exact strides, so such a tensor takes the full key path."""
     out = list(stride)
+    lead = 0
+    while lead < len(shape) and shape[lead] == 1:
+        lead += 1
     inner = 1
-    for i in range(len(shape) - 1, -1, -1):
-        if shape[i] == 1 and stride[i] >= inner:
+    for n in shape[lead:]:
+        inner *= n
+    for i in range(lead - 1, -1, -1):
+        if stride[i] >= inner:
             out[i] = inner
-        inner *= shape[i]
     return tuple(out)
 
 

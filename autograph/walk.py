@@ -13,6 +13,7 @@ depth and size.
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import struct
@@ -107,20 +108,15 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
         return ("seq", tx, tuple(walk(v, walked, f"{path}[{i}]", depth + 1, counter)
                                  for i, v in enumerate(x)))
     if tx is dict:
-        keys = tuple(x)
-        values = tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
-                       for k, v in x.items())
-        if not all(type(k) is str or type(k) is int for k in keys):  # keys walked too
-            keys = tuple(walk(k, walked, f"{path}.<key>", depth + 1, counter) for k in keys)
-            return ("map*", keys, values)
-        return ("map", keys, values)
+        return _mapping(x, list(x.items()), walked, path, depth, counter)
     if isinstance(x, (list, tuple, dict)):  # a subclass: its items and its attributes
         # what the container holds, past overridden ``__iter__``/``keys``/``items``
-        items = dict(dict.items(x)) if isinstance(x, dict) else tuple(
-            list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x))
+        # (an OrderedDict's in its order: ``move_to_end`` changes it)
+        items = _mapping(x, list(_items(x)), walked, path, depth, counter) if isinstance(
+            x, dict) else walk(tuple(list.__iter__(x) if isinstance(x, list)
+                                     else tuple.__iter__(x)), walked, path, depth + 1, counter)
         own = {} if getattr(x, "__dict__", None) is x else (_attributes(x) or {})
-        return ("subclass", tx, walk(items, walked, path, depth + 1, counter),
-                walk(own, walked, path, depth + 1, counter))
+        return ("subclass", tx, items, walk(own, walked, path, depth + 1, counter))
     if isinstance(x, _FUNCTIONS) or isinstance(x, type):
         return _function(x, walked, path, depth, counter)
     if tx is types.MethodType:  # a bound method: made anew at each attribute read
@@ -142,6 +138,30 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
     names = tuple(attrs)
     return ("attrs", names, tuple(walk(v, walked, f"{path}.{k}", depth + 1, counter)
                                   for k, v in attrs.items()), tx)
+
+
+MAX_ID_DICT_VALUES = 64  # values walked of a dict keyed by other than str and int
+
+
+def _mapping(x: Any, pairs: list[tuple[Any, Any]], walked: Walked, path: str, depth: int,
+             counter: list[int]) -> Any:
+    """A dict's key: its string and int keys and walked values; a dict with other keys
+    (looked up by identity maybe) by its identity, with the walked values of a small
+    one (a config's ``{("q", 0): scale}``; not a table's)."""
+    keys = tuple(k for k, _ in pairs)
+    if all(type(k) is str or type(k) is int for k in keys):
+        return ("map", keys, tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
+                                   for k, v in pairs))
+    if len(keys) > MAX_ID_DICT_VALUES:
+        return ("id", type(x), id(x))
+    return ("id", type(x), id(x), tuple(walk(v, walked, f"{path}[{k!r}]", depth + 1, counter)
+                                         for k, v in pairs))
+
+
+def _items(x: dict[Any, Any]) -> Any:
+    """A dict subclass's items as the dict holds them, in its order."""
+    return (collections.OrderedDict.items(x) if isinstance(x, collections.OrderedDict)
+            else dict.items(x))
 
 
 def slot_names(cls: type) -> tuple[str, ...]:

@@ -162,6 +162,19 @@ def check_last_tokens_of_a_growing_sequence_replay(device="cpu"):
             torch.testing.assert_close(got, want)
             assert got.stride() == want.stride()
     assert autograph.stats(p)["replays"] >= 4, autograph.stats(p)
+    # the last step of a sequence-first hidden state, (2, 1, 3) of strides (3, 6, 1),
+    # permuted and pooled inside: a size-1 dimension after another stays keyed
+    q = autograph.graphed(
+        lambda x: torch.nn.functional.max_pool2d(x.permute(1, 2, 0).unsqueeze(2), 1))
+    with torch.no_grad():
+        for i in range(12):
+            x = torch.randn(2, 2, 3, device=device).transpose(0, 1)[:, -1:] if i % 2 \
+                else torch.randn(2, 1, 3, device=device)
+            got = q(x)
+            want = torch.nn.functional.max_pool2d(x.permute(1, 2, 0).unsqueeze(2), 1)
+            torch.testing.assert_close(got, want)
+            assert got.stride() == want.stride()
+    assert autograph.stats(q)["replays"] >= 4, autograph.stats(q)
 
 
 def test_last_tokens_of_a_growing_sequence_replay(standin):

@@ -1193,6 +1193,21 @@ def check_values_argument_walks_used_to_miss(device="cpu"):
             x = torch.randn(3, device=device)
             torch.testing.assert_close(g(x, obj), x * s)
         assert autograph.stats(g)["replays"] >= 1, autograph.stats(g)
+    ordered = types.SimpleNamespace(w=OrderedDict(a=2.0, b=3.0))
+    first = autograph.graphed(lambda x, ns: x * next(iter(ns.w.values())))
+    for i in range(8):
+        if i == 5:
+            ordered.w.move_to_end("a")  # its order read: keyed
+        x = torch.randn(3, device=device)
+        torch.testing.assert_close(first(x, ordered), x * next(iter(ordered.w.values())))
+    lin = nn.Linear(3, 3).to(device)
+    names = types.SimpleNamespace(names={m: n for n, m in lin.named_modules()})
+    named = autograph.graphed(lambda x, ns: x * len(ns.names))  # modules as keys: replays
+    for _ in range(6):
+        x = torch.randn(3, device=device)
+        torch.testing.assert_close(named(x, names), x)
+    for g in (first, named):
+        assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
     obj = _PrivateScaler()
     for i in range(8):
         if i >= 4:

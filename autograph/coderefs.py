@@ -248,7 +248,6 @@ def _namespace(value: Any) -> bool:
     return top not in sys.stdlib_module_names and top not in _LIBRARIES
 
 
-
 def slotted(value: Any) -> bool:
     """An object of a user's class with ``__slots__`` and no ``__dict__`` (a
     ``@dataclass(slots=True)``): its attributes are read through its slots."""

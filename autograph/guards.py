@@ -408,12 +408,14 @@ class Watch:
                 continue
             for name, ids in before.items():
                 d = m.__dict__.get(name)
-                for k in [k for k in d if k not in ids] if isinstance(d, dict) else ():
+                if not isinstance(d, dict):
+                    continue
+                for k in [k for k in d if k not in ids]:
+                    del d[k]
                     for extra in _HOOK_EXTRAS:  # what the hook's handle removes with it
                         extra_d = m.__dict__.get(extra)
                         if isinstance(extra_d, dict):
                             extra_d.pop(k, None)
-                    del d[k]
 
     def owner_assigned(self, name: str) -> None:
         """The call running assigned an attribute of the plain object (as the hook tells
@@ -653,10 +655,10 @@ def _live_value(module: nn.Module | None, name: str) -> Any:
     """A list flag's value as keyed at a call: :func:`flag_key`'s, or where the list no
     longer is one (grown long, given another kind of item in place) its items where
     they hash, else a new object (a key no graph has: that call captures anew)."""
-    key = _flag_value(module, name)
+    value: Any = getattr(module, name, _ABSENT) if module is not None else _ABSENT
+    key = flag_key(value)
     if key is not _NO_FLAG:
         return key
-    value: Any = getattr(module, name, None)
     try:
         out = (type(value), *value)
         hash(out)

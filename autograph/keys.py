@@ -315,7 +315,7 @@ def outer_unit_strides(shape: Sequence[int], stride: Sequence[int]) -> tuple[int
     inner = 1
     for n in shape[lead:]:
         inner *= n
-    for i in range(lead - 1, -1, -1):
+    for i in range(lead):
         if stride[i] >= inner:
             out[i] = inner
     return tuple(out)

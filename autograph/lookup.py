@@ -14,12 +14,18 @@ from .functions import GraphedFunction, _bound_self, _graphed_parent
 from .proxy import GraphedModule
 
 
+def _static(parent: Any) -> bool:
+    """Whether ``parent`` (a graphed function, or None) graphs a ``staticmethod``: read
+    from an instance, it is called unbound."""
+    return parent is not None and isinstance(parent.__wrapped__, staticmethod)
+
+
 def _bound_handle(obj: Any, make: bool) -> Handle | None:
     """The handle of a graphed function bound to an instance: ``model.forward`` where
     forward is decorated, or ``graphed(lin.forward)``; made now if ``make``.  A graphed
     ``staticmethod`` read from an instance is called unbound: none."""
     parent = _graphed_parent(obj)
-    if parent is not None and isinstance(parent.__wrapped__, staticmethod):
+    if _static(parent):
         return None
     if parent is not None and obj._self_bound_to is not None:
         dispatch, instance = parent._self_dispatch, obj._self_bound_to
@@ -56,7 +62,7 @@ def _engines_of(obj: Any) -> list[Engine]:
         return [obj._self_engine]
     parent = _graphed_parent(obj)
     if parent is not None:
-        if obj._self_bound_to is None or isinstance(parent.__wrapped__, staticmethod):
+        if obj._self_bound_to is None or _static(parent):
             # looked up on the class (every instance's), or a staticmethod's
             return parent._self_dispatch.engines()
         handle = _bound_handle(obj, make=False)
@@ -79,7 +85,7 @@ def handle_of(obj: Any) -> Handle:
     if bound is not None:
         return bound
     parent = _graphed_parent(obj)
-    if parent is not None and isinstance(parent.__wrapped__, staticmethod):
+    if _static(parent):
         obj = parent  # read from an instance, called unbound
     if isinstance(obj, GraphedFunction):
         dispatch = obj._self_dispatch

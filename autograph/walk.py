@@ -112,9 +112,11 @@ def walk(x: Any, walked: Walked, path: str, depth: int, counter: list[int]) -> A
     if isinstance(x, (list, tuple, dict)):  # a subclass: its items and its attributes
         # what the container holds, past overridden ``__iter__``/``keys``/``items``
         # (an OrderedDict's in its order: ``move_to_end`` changes it)
-        items = _mapping(x, list(_items(x)), walked, path, depth, counter) if isinstance(
-            x, dict) else walk(tuple(list.__iter__(x) if isinstance(x, list)
-                                     else tuple.__iter__(x)), walked, path, depth + 1, counter)
+        if isinstance(x, dict):
+            items = _mapping(x, list(_items(x)), walked, path, depth, counter)
+        else:
+            held = list.__iter__(x) if isinstance(x, list) else tuple.__iter__(x)
+            items = walk(tuple(held), walked, path, depth + 1, counter)
         own = {} if getattr(x, "__dict__", None) is x else (_attributes(x) or {})
         return ("subclass", tx, items, walk(own, walked, path, depth + 1, counter))
     if isinstance(x, _FUNCTIONS) or isinstance(x, type):

@@ -39,7 +39,7 @@ from .mutation import WriteRecorder, storage_ptr, watch_map
 from .reach import Reach
 from .replay import Bumps, Captured, use_count
 from .returned import opened
-from .steps import Stepped
+from .steps import Kept, Stepped, training_object
 from .versions import versions
 from .vocab import EagerReason, Uncapturable
 
@@ -156,6 +156,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     watch.forget_assignments()
     gens = watch.host_generators(reached, flat.leaves) if reached is not None else ()
     host = _host_random_state(device, gens) if learn else None
+    kept = _kept(watch, reached, flat) if reached is not None else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
     flags = modes(device) if learn else None
@@ -169,7 +170,8 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         start = time.perf_counter()
         failed: Exception | None = None
         with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK, \
-                reads if reads is not None else _NO_BLOCK, hosts.constants(recorder):
+                reads if reads is not None else _NO_BLOCK, hosts.constants(recorder), \
+                Stepped(kept) if kept is not None else _NO_BLOCK:
             try:
                 out = fn(*args, **kwargs)
             except RuntimeError as exc:
@@ -208,6 +210,9 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
             raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
+        stepped = kept.changed() if kept is not None else None
+        if stepped:  # a scheduler stepped inside the call: no replay steps it
+            raise Uncapturable(EagerReason.ASSIGNS, stepped)
         if flags is not None and modes(device) != flags:
             # the call leaves a process-wide flag changed (``set_float32_matmul_precision``
             # and no restore): every capture would see the flags move under it and run
@@ -449,12 +454,29 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     generator (``Backend.capture``), or raise :class:`RandomFound` if it draws some.
     ``reuse``: the outputs are handed out, so the graph gets a pool of its own (in the
     shared one, a later graph could place its outputs in memory this one writes)."""
+    reached = watch.reach(fn)
+    objects = _kept(watch, reached, flat)  # put back where the capture fails
+    try:
+        return _capture(fn, flat, backend, device, watch, inplace, reached, objects,
+                        reuse=reuse, rng_free=rng_free, aliases=aliases)
+    except BaseException:  # its Python ran once, and runs again (eager, or captured)
+        objects.restore()
+        raise
+
+
+def _kept(watch: Watch, reached: Reach, flat: Flat) -> Kept:
+    """torch's training objects the call reaches (:class:`autograph.steps.Kept`)."""
+    return Kept(rng.reached_by(reached, watch.every_module(), flat.leaves, training_object))
+
+
+def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
+             watch: Watch, inplace: tuple[int, ...], reached: Reach, objects: Kept, *,
+             reuse: bool, rng_free: bool, aliases: bool) -> Captured:
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
     if reuse:
         backend = OnPool(backend, backend.private_pool(device))
     leaves = list(flat.leaves)
     copied = [i for i in flat.tensor_pos if i not in inplace]
-    reached = watch.reach(fn)
     reads_grad = _reads_grad(reached, watch)
     _check_argument_state(leaves, copied, reads_grad)
     static = StaticInputs(leaves, copied)
@@ -478,7 +500,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     watch.forget_assignments()
     gens = watch.host_generators(reached, flat.leaves)
     host = _host_random_state(device, gens)
-    stepped = Stepped()  # optimizers the call steps (a whole training step, steps.py)
+    stepped = Stepped(objects)  # optimizers the call steps (a whole training step, steps.py)
 
     reads = StateReads(device)
 
@@ -514,6 +536,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     _check(watch, [], host, device, gens)
     _check_held(held, restore=True)
     _check_objects(flat)
+    changed = objects.changed()
+    if changed:  # (put back by ``capture``)
+        raise Uncapturable(EagerReason.ASSIGNS, changed)
     # (a warmup's changes reach the caller's tensors; under grad mode a training
     # capture gives its buffers requires_grad itself)
     _check_geometry(substituted, flat.tensor_pos, shapes, flags=not torch.is_grad_enabled())

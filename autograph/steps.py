@@ -23,20 +23,27 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.optim.lr_scheduler as _schedulers
 import torch.optim.optimizer as _optimizer
 
 _register = getattr(_optimizer, "register_optimizer_step_pre_hook", None)
+_SCHEDULERS = tuple(t for t in (getattr(_schedulers, "LRScheduler", None),
+                                getattr(_schedulers, "_LRScheduler", None),
+                                getattr(_schedulers, "ReduceLROnPlateau", None)) if t is not None)
+_SCALERS = tuple(t for t in (getattr(getattr(torch, "amp", None), "GradScaler", None),
+                             getattr(torch.cuda.amp, "GradScaler", None)) if t is not None)
 
 
 class Stepped:
     """While open, collects the optimizers whose ``step()`` runs in this thread."""
 
-    __slots__ = ("optimizers", "_thread", "_handle")
+    __slots__ = ("optimizers", "_thread", "_handle", "_kept")
 
-    def __init__(self) -> None:
+    def __init__(self, kept: Kept | None = None) -> None:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._thread = threading.get_ident()
         self._handle: Any = None
+        self._kept = kept  # given each optimizer as it is before its first step
 
     def __enter__(self) -> Stepped:
         if _register is not None:
@@ -57,28 +64,134 @@ class Stepped:
         if threading.get_ident() == self._thread and not any(
                 o is optimizer for o in self.optimizers):
             self.optimizers.append(optimizer)
+            if self._kept is not None:
+                self._kept.add(optimizer)
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     """What a captured step baked in of ``optimizer``: per parameter group its
-    hyper-parameters (tensors by identity) and which of its parameters require grad
-    (a frozen one gets no step), and the addresses of its state tensors (the graph
-    steps the momentum it captured: ``load_state_dict`` gives others)."""
+    hyper-parameters (tensors by identity) and its parameters, each by identity and
+    whether it requires grad (a frozen one gets no step); the optimizer's own plain
+    public attributes (a custom optimizer's ``self.scale``), and the addresses of its
+    state tensors (the graph steps the momentum it captured: ``load_state_dict`` gives
+    others)."""
+    return settings(optimizer), tuple([
+        v.data_ptr() if isinstance(v, torch.Tensor) else _value(v)
+        for per in optimizer.state.values() for v in per.values()])
+
+
+def settings(optimizer: torch.optim.Optimizer, versions: bool = False) -> tuple[Any, ...]:
+    """The settings of ``optimizer`` a step reads (see :func:`snapshot`); ``versions``:
+    with each tensor's version (an ``lr`` tensor filled in place)."""
     groups = tuple(
-        (tuple([p.requires_grad for p in group["params"]]),) + tuple(
-            (name, _value(value)) for name, value in group.items() if name != "params")
+        (tuple([(id(p), p.requires_grad) for p in group["params"]]),) + tuple(
+            (name, _value(value, versions)) for name, value in group.items()
+            if name != "params")
         for group in optimizer.param_groups)
-    state = tuple([v.data_ptr() if isinstance(v, torch.Tensor) else _value(v)
-                   for per in optimizer.state.values() for v in per.values()])
-    return groups, state
+    return groups, _plain(optimizer, public=True)
 
 
-def _value(value: Any) -> Any:
+def _value(value: Any, versions: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value.data_ptr())
+        return ("tensor", id(value), value.data_ptr()) + (
+            (value._version,) if versions else ())
     if isinstance(value, list):
         return tuple(value)
     return value
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def _plain(obj: Any, public: bool = False) -> tuple[tuple[str, Any], ...]:
+    """``obj``'s attributes that hold plain values (or lists and tuples of them)."""
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in vars(obj).items()
+                 if not (public and k.startswith("_")) and (isinstance(v, _PLAIN) or (
+                     isinstance(v, (list, tuple)) and all(isinstance(i, _PLAIN) for i in v))))
+
+
+def training_object(value: Any) -> bool:
+    """Whether ``value`` is one of torch's training objects that :class:`Kept` keeps:
+    an optimizer, a learning-rate scheduler or a gradient scaler."""
+    return isinstance(value, (torch.optim.Optimizer, *_SCHEDULERS, *_SCALERS))
+
+
+class Kept:
+    """The Python state of torch's training objects a call reaches (optimizers,
+    learning-rate schedulers, gradient scalers), taken before the call runs.
+
+    A replay runs none of their Python: a call that changes an optimizer's settings or
+    steps a scheduler itself cannot be replayed (:meth:`changed`, after a warmup or a
+    capture).  A capture that fails runs its Python before the eager run runs it again:
+    :meth:`restore` puts back what the first run changed (a scheduler stepped twice, a
+    scaler's ``unscale_`` marked done, an optimizer's state made in the capture)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, objects: Iterable[Any] = ()) -> None:
+        self._items: list[tuple[Any, Any, Any]] = []
+        for obj in objects:
+            self.add(obj)
+
+    def add(self, obj: Any) -> None:
+        if not any(o is obj for o, _, _ in self._items):
+            self._items.append((obj, _compared(obj), _saved(obj)))
+
+    def changed(self) -> str | None:
+        """What the call changed that a replay would not change again, or None."""
+        for obj, then, _ in self._items:
+            if then is not None and _compared(obj) != then:
+                return f"the call changes the settings of its {type(obj).__name__} " \
+                       f"(a replay would not)"
+        return None
+
+    def restore(self) -> None:
+        for obj, _, saved in self._items:
+            _put_back(obj, saved)
+
+
+def _compared(obj: Any) -> Any:
+    if isinstance(obj, torch.optim.Optimizer):
+        return settings(obj, versions=True)
+    if isinstance(obj, _SCHEDULERS):  # its step count, last learning rates
+        return _plain(obj)
+    return None  # a scaler: ``update()`` leaves it as it found it
+
+
+def _saved(obj: Any) -> Any:
+    if isinstance(obj, torch.optim.Optimizer):
+        groups = list(obj.param_groups)
+        return (groups, [dict(g) for g in groups], {p: dict(s) for p, s in obj.state.items()},
+                _plain(obj, public=True))
+    saved = {k: list(v) if isinstance(v, list) else v for k, v in vars(obj).items()}
+    per = saved.get("_per_optimizer_states")  # a scaler's: {id: {"stage": ..., ...}}
+    if isinstance(per, dict):
+        saved["_per_optimizer_states"] = (per, {k: {n: dict(v) if isinstance(v, dict) else v
+                                                    for n, v in s.items()}
+                                                for k, s in per.items()})
+    return saved
+
+
+def _put_back(obj: Any, saved: Any) -> None:
+    if isinstance(obj, torch.optim.Optimizer):
+        groups, contents, state, plain = saved
+        obj.param_groups[:] = groups
+        for group, then in zip(groups, contents):
+            group.clear()
+            group.update(then)
+        obj.state.clear()
+        obj.state.update(state)
+        vars(obj).update(plain)
+        return
+    attributes = dict(saved)
+    per = attributes.pop("_per_optimizer_states", None)
+    if per is not None:
+        per, items = per
+        per.clear()
+        per.update(items)
+        attributes["_per_optimizer_states"] = per
+    vars(obj).clear()
+    vars(obj).update(attributes)
 
 
 class StepGuard:

@@ -385,3 +385,123 @@ def check_steps_taking_gradients_with_autograd_grad(device="cpu"):
 
 def test_steps_taking_gradients_with_autograd_grad(standin):
     check_steps_taking_gradients_with_autograd_grad()
+
+
+class SchedTrainer(Trainer):
+    """A step that also steps a learning-rate scheduler: ``order`` says where."""
+
+    def __init__(self, model, order, lr=0.05):
+        lr = torch.tensor(lr) if order == "tensor lr" else lr
+        self.model, self.order = model, order
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=2, gamma=0.5)
+
+    def step(self, x, y):
+        if self.order == "before":
+            self.sched.step()
+        loss = step(self.model, self.opt, x, y)
+        if self.order != "before":
+            self.sched.step()
+        return loss
+
+
+def check_whole_steps_stepping_a_scheduler_run_eagerly(order, device="cpu"):
+    """A replay runs no Python: a step whose scheduler steps inside it (before or after
+    the optimizer, with a float or a tensor learning rate) runs eagerly, its scheduler
+    and parameters as eager's step after step."""
+    graphed_trainer = SchedTrainer(make().to(device), order)
+    eager_trainer = SchedTrainer(make().to(device), order)
+    train = autograph.graphed(graphed_trainer.step)
+    for x, y in batches(8):
+        x, y = x.to(device), y.to(device)
+        torch.testing.assert_close(train(x, y), eager_trainer.step(x, y))
+        same_params(graphed_trainer.model, eager_trainer.model)
+        assert graphed_trainer.sched.last_epoch == eager_trainer.sched.last_epoch
+    s = autograph.stats(train)
+    assert s["replays"] == 0 and s["eager_reasons"].get("assigns_attribute", 0) >= 5, s
+
+
+@pytest.mark.parametrize("order", ["after", "before", "tensor lr"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_whole_steps_stepping_a_scheduler_run_eagerly(standin, order):
+    check_whole_steps_stepping_a_scheduler_run_eagerly(order)
+
+
+def check_a_failed_step_capture_is_not_stepped_twice(kind, device="cpu"):
+    """A step whose capture fails (a host read of a device value) ran its Python once
+    before its eager run: a gradient scaler's ``unscale_`` marked done, an optimizer's
+    state made inside the capture (no warmup) are put back first."""
+    def stepper(model):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+
+        def train(x, y):
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if kind == "scaler":
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+                return loss.detach()
+            loss.backward()
+            opt.step()
+            return loss.item()
+        return train
+
+    model, twin = make().to(device), make().to(device)
+    train = autograph.graphed(stepper(model), warmup=0 if kind == "item" else 2)
+    eager = stepper(twin)
+    for x, y in batches(5):
+        x, y = x.to(device), y.to(device)
+        torch.testing.assert_close(train(x, y), eager(x, y))
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q)
+    assert autograph.stats(train)["eager_reasons"].get("capture_failed"), autograph.stats(train)
+
+
+@pytest.mark.parametrize("kind", ["scaler", "item"])
+def test_a_failed_step_capture_is_not_stepped_twice(standin, kind):
+    check_a_failed_step_capture_is_not_stepped_twice(kind)
+
+
+class ScaledSGD(torch.optim.Optimizer):
+    """An optimizer of the user's whose step reads its own attribute."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+        self.scale = 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.scale)
+
+
+def check_whole_steps_see_swapped_parameters_and_optimizer_attributes(device="cpu"):
+    """A parameter swapped into a group's list, and a custom optimizer's own
+    attribute, are what a captured step baked in: changed, the step captures again."""
+    def stepper(model):
+        opt = ScaledSGD([model[0].weight], lr=0.1)
+        return opt, functools.partial(step, model, opt)
+
+    model, twin = make().to(device), make().to(device)
+    (opt, train), (eager_opt, eager) = stepper(model), stepper(twin)
+    train = autograph.graphed(train)
+    for i, (x, y) in enumerate(batches(14)):
+        if i == 5:
+            opt.param_groups[0]["params"][0] = model[2].weight
+            eager_opt.param_groups[0]["params"][0] = twin[2].weight
+        if i == 9:
+            opt.scale = eager_opt.scale = 0.5
+        x, y = x.to(device), y.to(device)
+        torch.testing.assert_close(train(x, y), eager(x, y))
+        same_params(model, twin)
+    s = autograph.stats(train)
+    assert s["replays"] >= 5 and s["invalidations"] == 2, s
+
+
+def test_whole_steps_see_swapped_parameters_and_optimizer_attributes(standin):
+    check_whole_steps_see_swapped_parameters_and_optimizer_attributes()

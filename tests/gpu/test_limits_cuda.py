@@ -169,10 +169,13 @@ from ..test_usage import (
     check_written_conjugate_and_negative_views,
 )
 from ..test_whole_step import (
+    check_a_failed_step_capture_is_not_stepped_twice,
     check_accumulating_micro_steps_captured_first_in_their_window,
     check_no_grad_calls_under_grad_mode_survive_training_steps,
     check_steps_taking_gradients_with_autograd_grad,
     check_whole_steps_see_frozen_layers_and_loaded_optimizer_state,
+    check_whole_steps_see_swapped_parameters_and_optimizer_attributes,
+    check_whole_steps_stepping_a_scheduler_run_eagerly,
     check_whole_steps_that_drop_their_gradients_see_outside_ones,
 )
 
@@ -781,3 +784,18 @@ def test_output_flags_switched_in_a_transformers_config():
 
 def test_values_argument_walks_used_to_miss():
     check_values_argument_walks_used_to_miss("cuda")
+
+
+@pytest.mark.parametrize("order", ["after", "before", "tensor lr"])
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_whole_steps_stepping_a_scheduler_run_eagerly(order):
+    check_whole_steps_stepping_a_scheduler_run_eagerly(order, "cuda")
+
+
+@pytest.mark.parametrize("kind", ["scaler", "item"])
+def test_a_failed_step_capture_is_not_stepped_twice(kind):
+    check_a_failed_step_capture_is_not_stepped_twice(kind, "cuda")
+
+
+def test_whole_steps_see_swapped_parameters_and_optimizer_attributes():
+    check_whole_steps_see_swapped_parameters_and_optimizer_attributes("cuda")

@@ -8,6 +8,7 @@ call).  Every live engine is listed weakly here, for ``reset()``, ``stats()`` an
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -97,7 +98,7 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
 
     def roots() -> list[nn.Module]:
         m = ref()
-        return [m] if m is not None else []
+        return [m, *_bound_modules(m)] if m is not None else []
 
     forward = getattr(type(module), "forward", None)
 
@@ -116,6 +117,20 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
 
     return make_engine(fn, options, type(module).__qualname__, roots, forward, True,
                        method=True, trusted=trusted)
+
+
+def _bound_modules(module: nn.Module) -> list[nn.Module]:
+    """The other modules a ``forward`` set on the instance binds (``m.forward =
+    other.forward``, a ``functools.partial`` over another module): the call reads their
+    state too, so their trees are watched as the module's own."""
+    found: list[Any] = []
+    fn = vars(module).get("forward")
+    while isinstance(fn, functools.partial):
+        found += (*fn.args, *fn.keywords.values())
+        fn = fn.func
+    found.append(getattr(fn, "__self__", None))
+    return [m for m in found if isinstance(m, nn.Module) and m is not module
+            and getattr(m, "__wrapped__", None) is not module]
 
 
 def live_handles() -> list[Handle]:

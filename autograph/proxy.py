@@ -55,10 +55,13 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
         through this wrapper's engine, as ``wrapper(...)`` does."""
         if name.startswith("_self_"):
             raise AttributeError(name)
-        value = getattr(self.__wrapped__, name)
-        if (inspect.ismethod(value) and value.__self__ is self.__wrapped__
-                and name not in _MODULE_API and not name.startswith("__")):
-            return _routed(value, self.__wrapped__, self._self_handle, self)
+        module = self.__wrapped__
+        value = getattr(module, name)
+        # (a bound method the instance stores, accelerate's ``_old_forward``, is given
+        # as it is: put back as the module's ``forward``, it must not hold the wrapper)
+        if (inspect.ismethod(value) and value.__self__ is module and name not in _MODULE_API
+                and not name.startswith("__") and name not in vars(module)):
+            return _routed(value, module, self._self_handle, self)
         return value
 
     @property
@@ -145,14 +148,31 @@ def _routed_steps(inner: Any, module: Any, handle: Handle) -> Any:
             thrown = exc
 
 
-def _returns_self(name: str) -> Callable[..., Any]:
-    def method(self: GraphedModule, *args: Any, **kwargs: Any) -> Any:
-        result = getattr(self.__wrapped__, name)(*args, **kwargs)
-        return self if result is self.__wrapped__ else result
+def _returns_self(name: str) -> property:
+    """``wrapper.name``: the module's method of that name, returning the wrapper where
+    it returns the module; or the module's own attribute of that name (a config's
+    ``self.type = "relu"``), which is read, set and deleted on the module."""
+    def get(self: GraphedModule) -> Any:
+        module = self.__wrapped__
+        value = getattr(module, name)
+        if not (inspect.ismethod(value) and value.__self__ is module):
+            return value
 
-    method.__name__ = name
-    method.__doc__ = f"``module.{name}(...)``, returning the wrapper instead of the module."
-    return method
+        @functools.wraps(value)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            result = value(*args, **kwargs)
+            return self if result is module else result
+
+        return method
+
+    def set(self: GraphedModule, value: Any) -> None:
+        setattr(self.__wrapped__, name, value)
+
+    def delete(self: GraphedModule) -> None:
+        delattr(self.__wrapped__, name)
+
+    return property(get, set, delete,
+                    f"``module.{name}(...)``, returning the wrapper instead of the module.")
 
 
 for _name in _RETURNS_SELF:

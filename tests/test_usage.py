@@ -3763,3 +3763,59 @@ def check_a_modules_own_reset_is_not_hidden_by_the_wrapper(device="cpu"):
 
 def test_a_modules_own_reset_is_not_hidden_by_the_wrapper(standin):
     check_a_modules_own_reset_is_not_hidden_by_the_wrapper()
+
+
+class _Configured(nn.Module):
+    """A module with config attributes named as ``nn.Module`` methods."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.type = "relu"
+        self.scale = 0.5
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        return y.relu() if self.type == "relu" else y.tanh()
+
+
+def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cpu"):
+    """``wrapper.type`` (an attribute named as a module method the wrapper returns
+    itself from) is the module's, read, set and deleted; a ``forward`` set on the
+    instance to another module's bound forward (or a partial over it) watches that
+    module too; a bound method the module stores comes back unrouted (accelerate puts
+    ``_old_forward`` back as ``forward``: it must not hold the wrapper)."""
+    import functools
+
+    torch.manual_seed(0)
+    m, other = _Configured().to(device), _Configured().to(device)
+    twin, other_twin = copy.deepcopy(m), copy.deepcopy(other)
+    g = autograph.graphed(m)
+    assert g.type == "relu" and g.to(device) is g
+    with torch.no_grad():
+        for i in range(24):
+            if i == 5:
+                g.type = twin.type = "tanh"
+                assert m.type == "tanh"
+            if i == 10:
+                m.forward = other.forward
+                twin.forward = other_twin.forward
+            if i == 18:
+                m.forward = functools.partial(_Configured.forward, other)
+                twin.forward = functools.partial(_Configured.forward, other_twin)
+            if i in (14, 22):
+                other.scale = other_twin.scale = i / 4
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 6 and s["invalidations"] == 5, s
+    del g.type
+    assert "type" not in vars(m) and g.type(torch.float32) is g  # the method again
+    g.stored = m.lin.forward  # a bound method stored on the module
+    assert g.stored == m.lin.forward
+    m.kept = m.extra_repr
+    assert g.kept == m.extra_repr and g.kept.__self__ is m
+
+
+def test_the_wrapper_is_the_module_for_attributes_and_bound_forwards(standin):
+    check_the_wrapper_is_the_module_for_attributes_and_bound_forwards()

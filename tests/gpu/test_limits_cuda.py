@@ -163,6 +163,7 @@ from ..test_usage import (
     check_shared_outputs_keep_conjugate_and_negative_bits,
     check_sparse_and_nested_outputs_run_eagerly,
     check_state_bound_by_partials_defaults_and_classmethods,
+    check_the_wrapper_is_the_module_for_attributes_and_bound_forwards,
     check_transformed_distributions_are_returned_by_replays,
     check_verified_objects_holding_parameters,
     check_views_of_parameters_are_new_views_per_call,
@@ -799,3 +800,7 @@ def test_a_failed_step_capture_is_not_stepped_twice(kind):
 
 def test_whole_steps_see_swapped_parameters_and_optimizer_attributes():
     check_whole_steps_see_swapped_parameters_and_optimizer_attributes("cuda")
+
+
+def test_the_wrapper_is_the_module_for_attributes_and_bound_forwards():
+    check_the_wrapper_is_the_module_for_attributes_and_bound_forwards("cuda")

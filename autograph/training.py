@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -194,7 +194,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
     problem = _foreign(trained.static_diff, trained.targets, seen["start"],
-                       _takes_capture_for_tracing(watch))
+                       _takes_capture_for_tracing(watch), set(statics))
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)
     if trained.spill_set is not None:
@@ -376,13 +376,19 @@ def _foreign_unpack(raw: Any) -> bool:
 
 
 def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int,
-             capture_branches: bool = False) -> str | None:
+             capture_branches: bool = False, local: Collection[int] = ()) -> str | None:
     """Why the captured autograd graph reaches beyond the call (a tensor that requires
     grad and is no argument or parameter, or one computed with autograd before the
     call): gradients would not reach it; or why its backward cannot run (checkpointing
     in code that branches on a capture: its recomputation, outside the capture, takes
-    the other branch and fails checkpointing's check).  None if neither."""
+    the other branch and fails checkpointing's check).  None if neither.
+
+    A leaf over the memory of an argument's static buffer (storages in ``local``) was
+    made by the call: wav2vec2's feature encoder sets ``requires_grad`` on a view of its
+    input, whose ``.grad`` no one outside the call can read (the gradient stops there in
+    eager mode too); the backward graph leaves it out."""
     allowed = {id(t) for t in targets}
+    returned = {id(t) for t in outs}
     for node in gradgraph.nodes(outs):
         if _REENTRANT is not None and getattr(node, "_forward_cls", None) is _REENTRANT:
             return "reentrant activation checkpointing (use_reentrant=True) runs a " \
@@ -392,7 +398,8 @@ def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int,
                    "tensors while a capture runs than in the recomputation"
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
-            if id(var) not in allowed:
+            if id(var) not in allowed and (
+                    _storage_key(var) not in local or id(var) in returned):
                 return "the forward reads a tensor that requires grad and is no argument, " \
                        "parameter or buffer"
             continue

@@ -65,8 +65,21 @@ def _mask_indexed(func: Any, args: Any) -> bool:
     counts the mask's true entries on the host."""
     if func not in _MASK_INDEXING or len(args) < 2:
         return False
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-               for i in args[1] if i is not None)
+    masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype in (
+        torch.bool, torch.uint8)]
+    if masks and func is not aten.index.Tensor and _masked_fill(args):
+        return False
+    return bool(masks)
+
+
+def _masked_fill(args: Any) -> bool:
+    """Whether ATen runs this ``index_put_`` as ``masked_fill_`` (``x[mask] = 0``: one
+    mask, the only index, and a one-element value on the host; ATen's
+    ``canDispatchToMaskedFill``), which counts nothing on the host."""
+    value, indices = args[2], [i for i in args[1] if i is not None]
+    accumulate = len(args) > 3 and bool(args[3])
+    return (not accumulate and len(indices) == 1 and isinstance(value, torch.Tensor)
+            and value.numel() == 1 and value.device.type == "cpu")
 
 
 _INPLACE_VIEW = getattr(torch.Tag, "inplace_view", None)

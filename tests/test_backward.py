@@ -2246,6 +2246,55 @@ def test_a_leaf_the_call_makes_and_returns_keeps_its_grad():
     check_a_leaf_the_call_makes_and_returns_keeps_its_grad()
 
 
+class _LeafEncoder(nn.Module):
+    """wav2vec2's feature encoder: a view of its input made a leaf requiring grad."""
+
+    def __init__(self, returns_leaf: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.returns_leaf = returns_leaf
+
+    def forward(self, x):
+        h = x[:, None]
+        if self.training:
+            h.requires_grad = True
+        y = self.lin(h).square().mean()
+        return (y, h) if self.returns_leaf else y
+
+
+def check_a_leaf_made_from_an_argument_in_the_call_is_trained(device: str = "cpu") -> None:
+    """A leaf the call makes over its argument (``h = x[:, None]; h.requires_grad =
+    True``) is no state from outside: the call trains with its graphs, gradients as
+    eager's (it ran eagerly, ``backward_unsupported``).  Returned, the leaf keeps its
+    ``.grad`` as eager's does."""
+    for returns_leaf in (False, True):
+        torch.manual_seed(0)
+        eager = _LeafEncoder(returns_leaf).to(device).train()
+        model = copy.deepcopy(eager)
+        g = autograph.graphed(model)
+        for _ in range(6):
+            x = torch.randn(3, 8, device=device)
+            got, want = g(x), eager(x)
+            if returns_leaf:
+                (got[0] + got[1].sum()).backward()
+                (want[0] + want[1].sum()).backward()
+                torch.testing.assert_close(got[1].grad, want[1].grad)
+                got, want = got[0], want[0]
+            else:
+                got.backward()
+                want.backward()
+            torch.testing.assert_close(got, want)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        if not returns_leaf:
+            s = autograph.stats(g)
+            assert s["backward_replays"] >= 3, s
+
+
+def test_a_leaf_made_from_an_argument_in_the_call_is_trained(standin):
+    check_a_leaf_made_from_an_argument_in_the_call_is_trained()
+
+
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()

@@ -3819,3 +3819,26 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
 
 def test_the_wrapper_is_the_module_for_attributes_and_bound_forwards(standin):
     check_the_wrapper_is_the_module_for_attributes_and_bound_forwards()
+
+
+def check_a_mask_assignment_replays(device="cpu"):
+    """``h[~mask] = 0`` (wav2vec2's encoder with an attention mask) is a
+    ``masked_fill_`` to ATen, no host read: it is captured and replays."""
+    @autograph.graphed
+    def masked(h, mask):
+        h = h * 2
+        h[~mask] = 0
+        return h
+
+    for _ in range(6):
+        h = torch.randn(2, 5, 3, device=device)
+        mask = torch.rand(2, 5, device=device) > 0.5
+        want = h * 2
+        want[~mask] = 0
+        torch.testing.assert_close(masked(h, mask), want)
+    s = autograph.stats(masked)
+    assert s["replays"] >= 3, s
+
+
+def test_a_mask_assignment_replays(standin):
+    check_a_mask_assignment_replays()

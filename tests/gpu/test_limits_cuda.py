@@ -13,6 +13,7 @@ from ..test_backward import (
     check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
+    check_a_leaf_made_from_an_argument_in_the_call_is_trained,
     check_a_leaf_the_call_makes_and_returns_keeps_its_grad,
     check_a_parameter_frozen_between_forward_and_backward,
     check_a_scripted_module_graphed_for_training_replays,
@@ -123,6 +124,7 @@ from ..test_usage import (
     check_a_class_attribute_flag_is_seen,
     check_a_compiled_submodule_is_not_compiled_again,
     check_a_forward_that_changes_a_name_it_reads,
+    check_a_mask_assignment_replays,
     check_a_modules_own_reset_is_not_hidden_by_the_wrapper,
     check_an_inference_mode_forward_returns_inference_tensors,
     check_arguments_resized_by_the_call,
@@ -804,3 +806,11 @@ def test_whole_steps_see_swapped_parameters_and_optimizer_attributes():
 
 def test_the_wrapper_is_the_module_for_attributes_and_bound_forwards():
     check_the_wrapper_is_the_module_for_attributes_and_bound_forwards("cuda")
+
+
+def test_a_mask_assignment_replays():
+    check_a_mask_assignment_replays("cuda")
+
+
+def test_a_leaf_made_from_an_argument_in_the_call_is_trained():
+    check_a_leaf_made_from_an_argument_in_the_call_is_trained("cuda")

@@ -126,7 +126,9 @@ def _bound_modules(module: nn.Module) -> list[nn.Module]:
     found: list[Any] = []
     fn = vars(module).get("forward")
     while isinstance(fn, functools.partial):
-        found += (*fn.args, *fn.keywords.values())
+        for value in (*fn.args, *fn.keywords.values()):  # a module, or a list of them
+            found += value.values() if isinstance(value, dict) else \
+                value if isinstance(value, (list, tuple)) else (value,)
         fn = fn.func
     found.append(getattr(fn, "__self__", None))
     return [m for m in found if isinstance(m, nn.Module) and m is not module

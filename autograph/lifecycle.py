@@ -112,6 +112,12 @@ class RandomFound(Exception):
     random numbers after all: capture it again with the generator."""
 
 
+class StateMade(Exception):
+    """The capture made an optimizer's state (its first step, under ``warmup=0`` or
+    after ``state.clear()``): the graph would replay the first step's branch.  The call
+    runs eagerly (it makes the state) and the key warms up once before capturing."""
+
+
 class WritesFound(Exception):
     """The capture found arguments written through no declared operator write."""
 
@@ -157,6 +163,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
     gens = watch.host_generators(reached, flat.leaves) if reached is not None else ()
     host = _host_random_state(device, gens) if learn else None
     kept = _kept(watch, reached, flat) if reached is not None else None
+    stepped = Stepped(kept) if kept is not None else None
     hosts = counters.hold(flat)
     reads = StateReads(device) if learn else None
     flags = modes(device) if learn else None
@@ -171,7 +178,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         failed: Exception | None = None
         with backend.warmup(device), recorder if recorder is not None else _NO_BLOCK, \
                 reads if reads is not None else _NO_BLOCK, hosts.constants(recorder), \
-                Stepped(kept) if kept is not None else _NO_BLOCK:
+                stepped if stepped is not None else _NO_BLOCK:
             try:
                 out = fn(*args, **kwargs)
             except RuntimeError as exc:
@@ -210,9 +217,11 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
             containers.changes(snap, out)  # raises for a change no replay can repeat
         if refs is not None and watch.refs_assigned(refs):
             raise Uncapturable(EagerReason.ASSIGNS, REF_ASSIGNED)
-        stepped = kept.changed() if kept is not None else None
-        if stepped:  # a scheduler stepped inside the call: no replay steps it
-            raise Uncapturable(EagerReason.ASSIGNS, stepped)
+        if stepped is not None:
+            watch.steps.stepped(stepped.optimizers)
+        changed = kept.changed() if kept is not None else None
+        if changed:  # a scheduler stepped inside the call: no replay steps it (once
+            raise AttributeSet(EagerReason.ASSIGNS, changed)  # may be a lazy set-up)
         if flags is not None and modes(device) != flags:
             # the call leaves a process-wide flag changed (``set_float32_matmul_precision``
             # and no restore): every capture would see the flags move under it and run
@@ -456,17 +465,45 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     shared one, a later graph could place its outputs in memory this one writes)."""
     reached = watch.reach(fn)
     objects = _kept(watch, reached, flat)  # put back where the capture fails
+    grads = _grads(watch, objects)
     try:
         return _capture(fn, flat, backend, device, watch, inplace, reached, objects,
                         reuse=reuse, rng_free=rng_free, aliases=aliases)
     except BaseException:  # its Python ran once, and runs again (eager, or captured)
         objects.restore()
+        _put_back_grads(grads)
         raise
 
 
 def _kept(watch: Watch, reached: Reach, flat: Flat) -> Kept:
-    """torch's training objects the call reaches (:class:`autograph.steps.Kept`)."""
-    return Kept(rng.reached_by(reached, watch.every_module(), flat.leaves, training_object))
+    """torch's training objects the call reaches, and the optimizers its warmups
+    stepped (:class:`autograph.steps.Kept`)."""
+    found = rng.reached_by(reached, watch.every_module(), flat.leaves, _training_or_method)
+    return Kept([*(getattr(v, "__self__", v) for v in found), *watch.steps.stepped()])
+
+
+def _training_or_method(value: Any) -> bool:
+    """A training object, or a bound method of one (``callbacks = [sched.step]``)."""
+    return training_object(value) or training_object(getattr(value, "__self__", None))
+
+
+def _grads(watch: Watch, objects: Kept) -> list[tuple[torch.Tensor, Any]]:
+    """The ``.grad`` of the tensors a whole step may give one (parameters, buffers,
+    named tensors, its optimizers' parameters): a failed capture's backward left
+    tensors no kernel wrote there, put back before its eager run."""
+    tensors = {id(t): t for t in (*watch.tensors(), *watch.named(), *(
+        p for o in objects.optimizers() for g in o.param_groups for p in g["params"]))
+        if isinstance(t, torch.Tensor) and t.requires_grad}
+    return [(t, t.grad) for t in tensors.values()]
+
+
+def _put_back_grads(grads: list[tuple[torch.Tensor, Any]]) -> None:
+    for t, grad in grads:
+        if t.grad is not grad:
+            try:
+                t.grad = grad
+            except RuntimeError:  # the tensor was reshaped meanwhile: drop its gradient
+                t.grad = None
 
 
 def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
@@ -539,6 +576,8 @@ def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch
     changed = objects.changed()
     if changed:  # (put back by ``capture``)
         raise Uncapturable(EagerReason.ASSIGNS, changed)
+    if objects.grew():
+        raise StateMade()
     # (a warmup's changes reach the caller's tensors; under grad mode a training
     # capture gives its buffers requires_grad itself)
     _check_geometry(substituted, flat.tensor_pos, shapes, flags=not torch.is_grad_enabled())

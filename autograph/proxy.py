@@ -57,10 +57,8 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
             raise AttributeError(name)
         module = self.__wrapped__
         value = getattr(module, name)
-        # (a bound method the instance stores, accelerate's ``_old_forward``, is given
-        # as it is: put back as the module's ``forward``, it must not hold the wrapper)
         if (inspect.ismethod(value) and value.__self__ is module and name not in _MODULE_API
-                and not name.startswith("__") and name not in vars(module)):
+                and not name.startswith("__") and not _forward(module, value)):
             return _routed(value, module, self._self_handle, self)
         return value
 
@@ -103,6 +101,13 @@ class GraphedModule(wrapt.ObjectProxy):  # type: ignore[misc]
 
 # nn.Module's own methods: none calls the module, so they are returned unwrapped
 _MODULE_API = frozenset(name for name in dir(nn.Module) if callable(getattr(nn.Module, name)))
+
+
+def _forward(module: Any, method: Any) -> bool:
+    """Whether ``method`` is the module's class ``forward`` (stored under another name,
+    as accelerate's ``_old_forward``): given unrouted, as ``wrapper.forward`` is (put
+    back as the module's ``forward``, a routed one would hold the wrapper)."""
+    return getattr(method, "__func__", None) is getattr(type(module), "forward", None)
 
 
 def _routed(method: Callable[..., Any], module: Any, handle: Handle, proxy: Any
@@ -157,6 +162,8 @@ def _returns_self(name: str) -> property:
         value = getattr(module, name)
         if not (inspect.ismethod(value) and value.__self__ is module):
             return value
+        if value.__func__ is not getattr(nn.Module, name, None):  # the user's own method
+            return _routed(value, module, self._self_handle, self)
 
         @functools.wraps(value)
         def method(*args: Any, **kwargs: Any) -> Any:

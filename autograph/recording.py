@@ -211,6 +211,10 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         except lifecycle.RandomFound:  # its warmup drew none, its capture did
             entry.draws = True
             return capture(engine, key, entry, flat, backend, device)
+        except lifecycle.StateMade:  # (put back): made by an eager run, then learned
+            entry.runs, entry.direct, entry.warm_first = 0, False, True
+            stats.count_eager(EagerReason.WARMUP, warn=False)
+            return engine.eager(*flat.call())
         except lifecycle.WritesFound as found:
             engine.cache.rekey(key, entry, flat, found.positions)
             stats.count_eager(EagerReason.IN_PLACE, warn=False)

@@ -77,26 +77,26 @@ def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     others)."""
     return settings(optimizer), tuple([
         v.data_ptr() if isinstance(v, torch.Tensor) else _value(v)
-        for per in optimizer.state.values() for v in per.values()])
+        for per in optimizer.state.values() if isinstance(per, dict) for v in per.values()])
 
 
-def settings(optimizer: torch.optim.Optimizer, versions: bool = False) -> tuple[Any, ...]:
-    """The settings of ``optimizer`` a step reads (see :func:`snapshot`); ``versions``:
-    with each tensor's version (an ``lr`` tensor filled in place)."""
+def settings(optimizer: torch.optim.Optimizer, tensors: bool = True) -> tuple[Any, ...]:
+    """The settings of ``optimizer`` a step reads (see :func:`snapshot`); without
+    ``tensors``, tensors compare equal whatever they are (what kernels write, and a
+    new tensor a kernel made, a replay does again)."""
     groups = tuple(
         (tuple([(id(p), p.requires_grad) for p in group["params"]]),) + tuple(
-            (name, _value(value, versions)) for name, value in group.items()
+            (name, _value(value, tensors)) for name, value in group.items()
             if name != "params")
         for group in optimizer.param_groups)
     return groups, _plain(optimizer, public=True)
 
 
-def _value(value: Any, versions: bool = False) -> Any:
+def _value(value: Any, tensors: bool = True) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value.data_ptr()) + (
-            (value._version,) if versions else ())
-    if isinstance(value, list):
-        return tuple(value)
+        return ("tensor", id(value), value.data_ptr()) if tensors else "tensor"
+    if isinstance(value, (list, tuple)):
+        return tuple([_value(v, tensors) for v in value])
     return value
 
 
@@ -105,7 +105,8 @@ _PLAIN = (int, float, bool, str, type(None))
 
 def _plain(obj: Any, public: bool = False) -> tuple[tuple[str, Any], ...]:
     """``obj``'s attributes that hold plain values (or lists and tuples of them)."""
-    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in vars(obj).items()
+    return tuple((k, tuple(v) if isinstance(v, list) else v)
+                 for k, v in getattr(obj, "__dict__", {}).items()
                  if not (public and k.startswith("_")) and (isinstance(v, _PLAIN) or (
                      isinstance(v, (list, tuple)) and all(isinstance(i, _PLAIN) for i in v))))
 
@@ -118,56 +119,85 @@ def training_object(value: Any) -> bool:
 
 class Kept:
     """The Python state of torch's training objects a call reaches (optimizers,
-    learning-rate schedulers, gradient scalers), taken before the call runs.
+    learning-rate schedulers with the schedulers and optimizer they drive, gradient
+    scalers), taken before the call runs.
 
     A replay runs none of their Python: a call that changes an optimizer's settings or
     steps a scheduler itself cannot be replayed (:meth:`changed`, after a warmup or a
-    capture).  A capture that fails runs its Python before the eager run runs it again:
-    :meth:`restore` puts back what the first run changed (a scheduler stepped twice, a
-    scaler's ``unscale_`` marked done, an optimizer's state made in the capture)."""
+    capture), nor can a capture that made an optimizer's state (:meth:`grew`: its
+    first step's branch).  A capture that fails runs its Python before the eager run
+    runs it again: :meth:`restore` puts back what the first run changed (a scheduler
+    stepped twice, a scaler's ``unscale_`` marked done, an optimizer's state made in
+    the capture)."""
 
     __slots__ = ("_items",)
 
     def __init__(self, objects: Iterable[Any] = ()) -> None:
-        self._items: list[tuple[Any, Any, Any]] = []
+        self._items: list[tuple[Any, Any, Any, Any]] = []
         for obj in objects:
             self.add(obj)
 
     def add(self, obj: Any) -> None:
-        if not any(o is obj for o, _, _ in self._items):
-            self._items.append((obj, _compared(obj), _saved(obj)))
+        if any(o is obj for o, _, _, _ in self._items):
+            return
+        self._items.append((obj, _compared(obj), _saved(obj), _grown(obj)))
+        if isinstance(obj, _SCHEDULERS):  # a chained or sequential one's, its optimizer
+            for inner in (*getattr(obj, "_schedulers", ()), getattr(obj, "optimizer", None)):
+                if training_object(inner):
+                    self.add(inner)
 
     def changed(self) -> str | None:
         """What the call changed that a replay would not change again, or None."""
-        for obj, then, _ in self._items:
-            if then is not None and _compared(obj) != then:
-                return f"the call changes the settings of its {type(obj).__name__} " \
-                       f"(a replay would not)"
+        for obj, then, _, _ in self._items:
+            try:
+                same = then is None or _compared(obj) == then
+            except Exception:  # noqa: BLE001 - not comparable: not known to be the same
+                same = False
+            if not same:
+                return f"the call changes the settings of its {type(obj).__name__}, " \
+                       f"which a replay would not"
         return None
 
+    def grew(self) -> bool:
+        """Whether an optimizer got state or parameter groups during the call."""
+        return any(then is not None and _grown(obj) != then for obj, _, _, then in self._items)
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o, _, _, _ in self._items if isinstance(o, torch.optim.Optimizer)]
+
     def restore(self) -> None:
-        for obj, _, saved in self._items:
+        for obj, _, saved, _ in self._items:
             _put_back(obj, saved)
 
 
 def _compared(obj: Any) -> Any:
     if isinstance(obj, torch.optim.Optimizer):
-        return settings(obj, versions=True)
+        return settings(obj, tensors=False)
     if isinstance(obj, _SCHEDULERS):  # its step count, last learning rates
         return _plain(obj)
     return None  # a scaler: ``update()`` leaves it as it found it
 
 
+def _grown(obj: Any) -> Any:
+    if not isinstance(obj, torch.optim.Optimizer):
+        return None
+    return len(obj.param_groups), tuple([
+        (id(p), tuple(s) if isinstance(s, dict) else None) for p, s in obj.state.items()])
+
+
 def _saved(obj: Any) -> Any:
     if isinstance(obj, torch.optim.Optimizer):
         groups = list(obj.param_groups)
-        return (groups, [dict(g) for g in groups], {p: dict(s) for p, s in obj.state.items()},
+        return (groups, [dict(g) for g in groups],
+                {p: dict(s) if isinstance(s, dict) else s for p, s in obj.state.items()},
                 _plain(obj, public=True))
-    saved = {k: list(v) if isinstance(v, list) else v for k, v in vars(obj).items()}
+    saved = {k: list(v) if isinstance(v, list) else v
+             for k, v in getattr(obj, "__dict__", {}).items()}
     per = saved.get("_per_optimizer_states")  # a scaler's: {id: {"stage": ..., ...}}
     if isinstance(per, dict):
         saved["_per_optimizer_states"] = (per, {k: {n: dict(v) if isinstance(v, dict) else v
                                                     for n, v in s.items()}
+                                                if isinstance(s, dict) else s
                                                 for k, s in per.items()})
     return saved
 
@@ -183,6 +213,8 @@ def _put_back(obj: Any, saved: Any) -> None:
         obj.state.update(state)
         vars(obj).update(plain)
         return
+    if not hasattr(obj, "__dict__"):
+        return
     attributes = dict(saved)
     per = attributes.pop("_per_optimizer_states", None)
     if per is not None:
@@ -197,11 +229,14 @@ def _put_back(obj: Any, saved: Any) -> None:
 class StepGuard:
     """The optimizers stepped by captured graphs, with their snapshots."""
 
-    __slots__ = ("_items", "_grads", "active")
+    __slots__ = ("_items", "_grads", "active", "_stepped")
 
     def __init__(self) -> None:
         # weak references: a guard must not keep an optimizer (and its state) alive
         self._items: list[tuple[weakref.ref[torch.optim.Optimizer], tuple[Any, ...]]] = []
+        # the optimizers warmups stepped: kept (``Kept``) from the start of a capture,
+        # before a scheduler the call steps first changes them
+        self._stepped: list[weakref.ref[torch.optim.Optimizer]] = []
         # (parameter, its .grad after a capture, or None): a gradient made during a
         # capture lives in the graph's pool and is rewritten by every replay, so the
         # parameter must still hold that very tensor (``zero_grad(set_to_none=True)``
@@ -219,6 +254,15 @@ class StepGuard:
                 grad = t.grad if wanted is None else next(wanted)
                 self._grads.append((weakref.ref(t), None if grad is None else weakref.ref(grad)))
                 self.active = True
+
+    def stepped(self, optimizers: Iterable[torch.optim.Optimizer] = ()
+                ) -> list[torch.optim.Optimizer]:
+        """Remember ``optimizers`` as stepped by a warmup; all those remembered, alive."""
+        for optimizer in optimizers:
+            if not any(ref() is optimizer for ref in self._stepped):
+                self._stepped.append(weakref.ref(optimizer))
+        alive = [ref() for ref in self._stepped]
+        return [o for o in alive if o is not None]
 
     def add(self, optimizers: list[torch.optim.Optimizer]) -> None:
         for optimizer in optimizers:

@@ -205,7 +205,10 @@ class RecordedGraph:
     def _run(self) -> None:
         with torch.inference_mode(), torch.autocast("cpu", enabled=False):
             for func, args, kwargs, recorded in self.ops:
-                fresh = func(*args, **kwargs)
+                if func in _ALLOCATIONS:  # no kernel: the memory keeps what it held
+                    continue
+                fresh = _training_run(func, args, kwargs) if func in _TRAINING_RESULTS \
+                    else func(*args, **kwargs)
                 for leaf in pytree.tree_leaves(fresh):
                     if not isinstance(leaf, torch.Tensor) and hasattr(leaf, "wait"):
                         leaf.wait()  # a collective's work: done before the next operator
@@ -215,6 +218,24 @@ class RecordedGraph:
                         if old.shape != new.shape:  # changed in place since (``squeeze_``)
                             old = old.as_strided(new.size(), new.stride())
                         old.copy_(new)
+
+
+# operators that allocate and run no kernel (a graph's replay runs nothing for them; a
+# host copy into their memory, ``at::tensor(list)``, is no operator the capture saw)
+_ALLOCATIONS = {aten.empty.memory_format, aten.empty_strided.default}
+# operators whose results differ under inference mode: ``mkldnn_rnn_layer`` gives no
+# workspace there, which an LSTM's backward reads
+_RNN_LAYER = getattr(aten, "mkldnn_rnn_layer", None)
+_TRAINING_RESULTS = {_RNN_LAYER.default} if _RNN_LAYER is not None else set()
+
+
+def _training_run(func: Any, args: Any, kwargs: Any) -> Any:
+    """``func`` run as a training call runs it (a replay of a CUDA graph runs the
+    kernels captured, the training ones included)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        out = func(*args, **kwargs)
+    return tuple(None if o is None else o.detach() for o in out)
 
 
 def _pairs(recorded: Any, fresh: Any) -> Any:

@@ -2404,3 +2404,44 @@ def check_per_output_checks_see_slices_dropped_outputs_and_checkpoints(
 
 def test_per_output_checks_see_slices_dropped_outputs_and_checkpoints():
     check_per_output_checks_see_slices_dropped_outputs_and_checkpoints()
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(6, 8, num_layers=2, bidirectional=True, batch_first=True)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def check_a_bidirectional_lstm_trains_with_graphs(device: str = "cpu") -> None:
+    """A two-layer bidirectional LSTM trained through graphs: outputs, input and weight
+    gradients as eager's, step after step (the stand-in replayed the CPU LSTM layer's
+    kernel without the workspace its backward reads)."""
+    torch.manual_seed(0)
+    eager = _Recurrent().to(device).train()
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    for _ in range(6):
+        x = torch.randn(4, 5, 6, device=device)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = g(xa), eager(xb)
+        got.square().mean().backward()
+        want.square().mean().backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(xa.grad, xb.grad)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    s = autograph.stats(g)
+    assert s["backward_replays"] >= 3, s
+
+
+def test_a_bidirectional_lstm_trains_with_graphs(standin):
+    check_a_bidirectional_lstm_trains_with_graphs()

@@ -3842,3 +3842,22 @@ def check_a_mask_assignment_replays(device="cpu"):
 
 def test_a_mask_assignment_replays(standin):
     check_a_mask_assignment_replays()
+
+
+def check_ctc_loss_with_host_lengths_equals_eager(device="cpu"):
+    """``CTCLoss(reduction="mean")`` with Python lengths: ATen fills their tensor with a
+    host copy no operator shows (``at::tensor(list)``); a replay must not rerun the
+    allocation over it (the stand-in did) and the losses equal eager's."""
+    loss = autograph.graphed(nn.CTCLoss(reduction="mean"))
+    for _ in range(6):
+        logp = torch.randn(12, 2, 5, device=device).log_softmax(-1)
+        targets = torch.randint(1, 5, (2, 4), device=device)
+        args = (logp, targets, [12, 10], [4, 3])
+        with torch.no_grad():
+            torch.testing.assert_close(loss(*args), nn.functional.ctc_loss(*args))
+    if device == "cpu":
+        assert autograph.stats(loss)["replays"] >= 3, autograph.stats(loss)
+
+
+def test_ctc_loss_with_host_lengths_equals_eager(standin):
+    check_ctc_loss_with_host_lengths_equals_eager()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ..test_backward import (
+    check_a_bidirectional_lstm_trains_with_graphs,
     check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
@@ -139,6 +140,7 @@ from ..test_usage import (
     check_container_arguments_shared_nested_and_returned_twice,
     check_containers_changed_by_every_route_run_eagerly,
     check_containers_changed_in_place_are_seen,
+    check_ctc_loss_with_host_lengths_equals_eager,
     check_flags_read_through_classes_and_globals,
     check_flags_read_through_namespaces_are_seen,
     check_function_modes_are_keyed,
@@ -180,6 +182,7 @@ from ..test_whole_step import (
     check_whole_steps_see_swapped_parameters_and_optimizer_attributes,
     check_whole_steps_stepping_a_scheduler_run_eagerly,
     check_whole_steps_that_drop_their_gradients_see_outside_ones,
+    check_whole_steps_with_state_made_or_written_by_kernels,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -789,7 +792,7 @@ def test_values_argument_walks_used_to_miss():
     check_values_argument_walks_used_to_miss("cuda")
 
 
-@pytest.mark.parametrize("order", ["after", "before", "tensor lr"])
+@pytest.mark.parametrize("order", ["after", "before", "tensor lr", "chained", "callback"])
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_whole_steps_stepping_a_scheduler_run_eagerly(order):
     check_whole_steps_stepping_a_scheduler_run_eagerly(order, "cuda")
@@ -814,3 +817,16 @@ def test_a_mask_assignment_replays():
 
 def test_a_leaf_made_from_an_argument_in_the_call_is_trained():
     check_a_leaf_made_from_an_argument_in_the_call_is_trained("cuda")
+
+
+@pytest.mark.parametrize("kind", ["momentum", "lr decay", "trust", "failed"])
+def test_whole_steps_with_state_made_or_written_by_kernels(kind):
+    check_whole_steps_with_state_made_or_written_by_kernels(kind, "cuda")
+
+
+def test_a_bidirectional_lstm_trains_with_graphs():
+    check_a_bidirectional_lstm_trains_with_graphs("cuda")
+
+
+def test_ctc_loss_with_host_lengths_equals_eager():
+    check_ctc_loss_with_host_lengths_equals_eager("cuda")

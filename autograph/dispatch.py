@@ -430,13 +430,18 @@ class Engine:
             return self.protect(flat, graph.held_reason if graph is not None else None)
         if entry.syncs:  # container arguments the call changes (containers.py)
             result = containers.apply(entry.syncs, flat, result)
+        self.replayed(entry)
+        return result
+
+    def replayed(self, entry: Entry) -> None:
+        """Count a replay of ``entry``: the callable's replays, its entry last used
+        (the least recently used goes first), no new keys since."""
         self.stats.replays += 1
         if _stats._observers:
             self.stats.notify("replay")
         self._fresh = 0
         cache = self.cache
         cache.uses = entry.used = cache.uses + 1  # a stamp: races are harmless
-        return result
 
     def protect(self, flat: Flat, held: tuple[EagerReason, str] | None = None) -> Any:
         """An earlier output of the graph is still held (``outputs="reuse"``), or what

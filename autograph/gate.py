@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .cache import Entry, GraphCache
+from .replay import HELD
 from .vocab import EagerReason, State, logger
 
 TRIALS = 3  # timed replays of a new graph (the first launch, at capture, is not one)
@@ -27,6 +28,8 @@ def trial(cache: GraphCache, entry: Entry, run: Callable[[Any], Any],
         captured.synchronize()
         start = time.perf_counter()
         out = run(leaves)
+        if out is HELD:  # no replay ran (an earlier output or backward held): no sample
+            return out
         captured.synchronize()
         samples.append(time.perf_counter() - start)
         if len(samples) >= TRIALS:

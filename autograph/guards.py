@@ -532,6 +532,9 @@ class Watch:
         """Watch these module ids (ids, not modules: the watch must not keep them alive)."""
         with notify.watched_lock:
             self._ids = ids
+            # the sets of watches collected without ``close`` (a dropped wrapper's)
+            for i in [i for i, ws in notify.watched.items() if not ws]:
+                del notify.watched[i]
             for i in ids:
                 # a collection in between may close another watch (same thread, hence
                 # the RLock) and drop the set it emptied: ours must be the set kept

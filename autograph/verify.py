@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .flat import Flat
+from .replay import HELD
 from .returned import opened
 from .versions import set_versions, versions
 from .vocab import EagerReason, logger
@@ -155,18 +156,44 @@ def _prefixed(where: str, problem: str | None) -> str | None:
     return f"{where}: {problem}" if problem else None
 
 
+class _NoReplay(Exception):
+    """The replay did not run (it failed, or an earlier output or backward holds the
+    graph): the call takes the unverified path's way out."""
+
+    def __init__(self, outcome: Any) -> None:
+        super().__init__()
+        self.outcome = outcome
+
+
 def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> Any:
     """A replay of ``entry`` checked against an eager run of the same call
     (``verify_every``): a difference drops the graph, and the key runs eagerly from
-    then on (``engine`` is the ``dispatch.Engine``)."""
+    then on (``engine`` is the ``dispatch.Engine``).  A replay that fails or is held
+    is handled as an unverified one is (``replay_failed``, ``protect``)."""
     captured = entry.graph
     if captured.outputs_held():
         return engine.protect(flat)
-    result, problem = check(engine.eager, run, flat, captured.inplace, _written(captured))
+
+    def replay(leaves: Any) -> Any:
+        try:
+            out = run(leaves)
+        except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
+            raise _NoReplay(exc) from exc
+        if out is HELD:
+            raise _NoReplay(out)
+        return out
+
+    try:
+        result, problem = check(engine.eager, replay, flat, captured.inplace,
+                                _written(captured))
+    except _NoReplay as no:
+        if no.outcome is HELD:
+            return engine.protect(flat, captured.held_reason)
+        return engine.replay_failed(entry, no.outcome, flat)
     stats = engine.stats
     stats.verifications += 1
     if problem is None:
-        stats.count_replay()
+        engine.replayed(entry)
         return result
     stats.verify_failures += 1
     logger.warning("%s: a verified replay differed from eager (%s): this key runs "

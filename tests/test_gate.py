@@ -82,3 +82,19 @@ def test_min_speedup_needs_warmup():
         autograph.graphed(min_speedup=1.5, warmup=0)
     with pytest.raises(ValueError, match="min_speedup"):
         autograph.capture_region(min_speedup=0)
+
+
+def test_a_held_output_gives_no_time_sample(standin):
+    """With ``outputs="reuse"`` the usual ``y = g(x)`` loop holds the last output: that
+    call runs eagerly (no replay), and timing it made a slow graph look fast."""
+    standin.replay_delay = 0.01
+    f = make(0.0)
+    g = autograph.graphed(f, min_speedup=1.5, outputs="reuse")
+    with torch.no_grad():
+        y = None
+        for _ in range(12):
+            x = torch.randn(3, 8)
+            y = g(x)
+            torch.testing.assert_close(y, f(x))
+    s = autograph.stats(g)
+    assert s["graphs"] == 0 and s["eager_reasons"].get(NOT_WORTH), s

@@ -2322,3 +2322,22 @@ def check_output_flags_switched_in_a_transformers_config(device="cpu"):
 
 def test_output_flags_switched_in_a_transformers_config(standin):
     check_output_flags_switched_in_a_transformers_config()
+
+
+def test_dropped_wrappers_leave_no_watch_entries(standin):
+    """A wrapper made per request and dropped without ``close`` left an empty set of
+    watches per module id in ``notify.watched`` (ids reused: a slow growth)."""
+    import gc
+
+    from autograph import notify
+
+    def serve():
+        g = autograph.graphed(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        with torch.no_grad():
+            g(torch.randn(2, 4))
+
+    for _ in range(200):
+        serve()
+    gc.collect()
+    serve()
+    assert sum(1 for ws in notify.watched.values() if not ws) <= 3

@@ -3813,8 +3813,8 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
     assert "type" not in vars(m) and g.type(torch.float32) is g  # the method again
     g.stored = m.lin.forward  # a bound method stored on the module
     assert g.stored == m.lin.forward
-    m.kept = m.extra_repr
-    assert g.kept == m.extra_repr and g.kept.__self__ is m
+    m.kept = _Configured.forward.__get__(m)  # stored, as accelerate's _old_forward
+    assert g.kept.__func__ is _Configured.forward and g.kept.__self__ is m
 
 
 def test_the_wrapper_is_the_module_for_attributes_and_bound_forwards(standin):
@@ -3861,3 +3861,65 @@ def check_ctc_loss_with_host_lengths_equals_eager(device="cpu"):
 
 def test_ctc_loss_with_host_lengths_equals_eager(standin):
     check_ctc_loss_with_host_lengths_equals_eager()
+
+
+class _Tripled(torch.autograd.Function):
+    """Keeps an object on ``ctx``: a call made while its backward is pending waits."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.note = object()
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+class _TripledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return _Tripled.apply(self.lin(x))
+
+
+def _verified_runs(verify_every, scenario):
+    """The counters of one scenario run with ``verify_every``."""
+    autograph.reset()
+    torch.manual_seed(0)
+    if scenario == "failed replay":  # a weight given another shape in place
+        net = nn.Linear(8, 4).eval()
+        g = autograph.graphed(net, verify_every=verify_every)
+        with torch.no_grad():
+            for _ in range(4):
+                g(torch.randn(3, 8))
+            net.weight.data, net.bias.data = net.weight.data[:2], net.bias.data[:2]
+            assert g(torch.randn(3, 8)).shape == (3, 2)
+    elif scenario == "held":  # a call made while a backward is pending
+        g = autograph.graphed(_TripledNet(), verify_every=verify_every)
+        for _ in range(8):
+            a, b = g(torch.randn(4, 8)), g(torch.randn(4, 8))
+            (a.sum() + b.sum()).backward()
+    else:  # least recently used: the hot key replayed, verified, is kept
+        g = autograph.graphed(nn.Linear(8, 4).eval(), max_graphs=2,
+                              verify_every=verify_every)
+        with torch.no_grad():
+            for rows in [3] * 4 + [5] * 4:
+                g(torch.randn(rows, 8))
+            for _ in range(12):
+                g(torch.randn(3, 8))
+                g(torch.randn(7, 8))
+    s = autograph.stats(g)
+    assert s["calls"] == s["replays"] + s["captures"] + s["eager"], s
+    return {k: s[k] for k in ("replays", "captures", "evictions", "eager", "eager_reasons")}
+
+
+@pytest.mark.parametrize("scenario", ["failed replay", "held", "least recently used"])
+def test_verified_replays_fail_wait_and_count_as_unverified_ones(standin, scenario):
+    """``verify_every`` checks a replay that runs: one that fails ran eagerly only
+    unverified (verified, it raised), one held back by a pending backward was counted
+    as a verify failure (its key made eager), and verified replays did not mark their
+    entry used (the least recently used went first) or the keys as repeating."""
+    assert _verified_runs(1, scenario) == _verified_runs(None, scenario)

@@ -544,7 +544,8 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
     def stepper(model):
         lr = torch.tensor(0.01, device=device) if kind == "lr decay" else 0.05
         opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "momentum"
-               else torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+               else torch.optim.AdamW(model.parameters(), lr=lr, fused=True,
+                                      capturable=device != "cpu")
                if kind == "lr decay" else _Trust(model[0].parameters(), lr=0.05))
 
         decay = opt.param_groups[0]["lr"]  # the group's tensor

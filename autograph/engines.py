@@ -121,18 +121,40 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
 
 def _bound_modules(module: nn.Module) -> list[nn.Module]:
     """The other modules a ``forward`` set on the instance binds (``m.forward =
-    other.forward``, a ``functools.partial`` over another module): the call reads their
-    state too, so their trees are watched as the module's own."""
+    other.forward``, a ``functools.partial`` over other modules or containers of them,
+    a function's closure cells): the call reads their state too, so their trees are
+    watched as the module's own."""
     found: list[Any] = []
     fn = vars(module).get("forward")
     while isinstance(fn, functools.partial):
-        for value in (*fn.args, *fn.keywords.values()):  # a module, or a list of them
-            found += value.values() if isinstance(value, dict) else \
-                value if isinstance(value, (list, tuple)) else (value,)
+        found += (*fn.args, *fn.keywords.values())
         fn = fn.func
     found.append(getattr(fn, "__self__", None))
-    return [m for m in found if isinstance(m, nn.Module) and m is not module
-            and getattr(m, "__wrapped__", None) is not module]
+    found += [c.cell_contents for c in getattr(getattr(fn, "__func__", fn), "__closure__",
+                                                None) or () if _filled(c)]
+    modules: list[nn.Module] = []
+    _collect(found, modules, depth=3)
+    return [m for m in modules if m is not module and getattr(m, "__wrapped__", None)
+            is not module]
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _collect(values: Any, modules: list[nn.Module], depth: int) -> None:
+    """The modules among ``values``, in lists, tuples and dicts ``depth`` levels down."""
+    for value in values:
+        if isinstance(value, nn.Module):
+            modules.append(value)
+        elif depth and isinstance(value, (list, tuple)):
+            _collect(value, modules, depth - 1)
+        elif depth and isinstance(value, dict):
+            _collect(value.values(), modules, depth - 1)
 
 
 def live_handles() -> list[Handle]:

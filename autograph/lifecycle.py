@@ -210,7 +210,7 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
         tensors = _tensor_leaves(out)
         _check(watch, tensors, host, device, gens)
         _check_objects(flat)
-        _check_geometry(flat.leaves, flat.tensor_pos, shapes)
+        _check_geometry(flat.leaves, flat.tensor_pos, shapes, requires_grad=True)
         if learn:
             _check_attributes(tensors, flat, state, tags)
         if snap:
@@ -330,11 +330,13 @@ def _attributes(t: torch.Tensor) -> tuple[tuple[str, int], ...]:
 
 
 def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[Any, ...]],
-                    flags: bool = False) -> None:
+                    flags: bool = False, requires_grad: bool = False) -> None:
     """Raise if the call resized or re-pointed a tensor argument (a graph keeps the
     geometry and the address it captured: a later call's tensor would not be written)
     or set a Python attribute on one (a replay would not); with ``flags``, also its
-    ``requires_grad`` or ``.grad``."""
+    ``requires_grad`` or ``.grad``; with ``requires_grad``, its ``requires_grad`` (a
+    warmup: ``x.requires_grad_()`` in a forward; a backward inside may give it a
+    ``.grad``, judged by the training warmup)."""
     for i, was in zip(positions, before):
         t = leaves[i]
         if (t.shape, t.stride(), t.data_ptr()) != was[:3]:
@@ -342,6 +344,9 @@ def _check_geometry(leaves: Any, positions: tuple[int, ...], before: list[tuple[
                                f"argument {i} (out=, resize_, set_)")
         if _attributes(t) != was[3]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call sets a Python attribute of "
+                               f"tensor argument {i}")
+        if requires_grad and t.requires_grad != was[4]:
+            raise Uncapturable(EagerReason.ASSIGNS, f"the call sets requires_grad of "
                                f"tensor argument {i}")
         if flags and (t.requires_grad, id(_grad(t))) != was[4:]:
             raise Uncapturable(EagerReason.ASSIGNS, f"the call sets .grad or requires_grad "

@@ -80,23 +80,20 @@ def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
         for per in optimizer.state.values() if isinstance(per, dict) for v in per.values()])
 
 
-def settings(optimizer: torch.optim.Optimizer, tensors: bool = True) -> tuple[Any, ...]:
-    """The settings of ``optimizer`` a step reads (see :func:`snapshot`); without
-    ``tensors``, tensors compare equal whatever they are (what kernels write, and a
-    new tensor a kernel made, a replay does again)."""
+def settings(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """The settings of ``optimizer`` a step reads (see :func:`snapshot`)."""
     groups = tuple(
         (tuple([(id(p), p.requires_grad) for p in group["params"]]),) + tuple(
-            (name, _value(value, tensors)) for name, value in group.items()
-            if name != "params")
+            (name, _value(value)) for name, value in group.items() if name != "params")
         for group in optimizer.param_groups)
     return groups, _plain(optimizer, public=True)
 
 
-def _value(value: Any, tensors: bool = True) -> Any:
+def _value(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value), value.data_ptr()) if tensors else "tensor"
+        return ("tensor", id(value), value.data_ptr())
     if isinstance(value, (list, tuple)):
-        return tuple([_value(v, tensors) for v in value])
+        return tuple([_value(v) for v in value])
     return value
 
 
@@ -147,10 +144,13 @@ class Kept:
                     self.add(inner)
 
     def changed(self) -> str | None:
-        """What the call changed that a replay would not change again, or None."""
-        for obj, then, _, _ in self._items:
+        """What the call changed that a replay would not change again, or None: a
+        setting, or a state tensor replaced by another (``st["m"] = st["m"] * 0.9``:
+        the graph would read the one it replaced at every replay)."""
+        for obj, then, _, grown in self._items:
             try:
-                same = then is None or _compared(obj) == then
+                same = then is None or (_compared(obj) == then and _kept_state(
+                    grown, _grown(obj)))
             except Exception:  # noqa: BLE001 - not comparable: not known to be the same
                 same = False
             if not same:
@@ -171,18 +171,34 @@ class Kept:
 
 
 def _compared(obj: Any) -> Any:
-    if isinstance(obj, torch.optim.Optimizer):
-        return settings(obj, tensors=False)
+    if isinstance(obj, torch.optim.Optimizer):  # (a tensor written in place is the same;
+        return settings(obj)  # one made anew may be made from the one it replaces)
     if isinstance(obj, _SCHEDULERS):  # its step count, last learning rates
         return _plain(obj)
     return None  # a scaler: ``update()`` leaves it as it found it
 
 
 def _grown(obj: Any) -> Any:
+    """An optimizer's groups and state: per parameter its state's keys, each tensor's
+    identity."""
     if not isinstance(obj, torch.optim.Optimizer):
         return None
-    return len(obj.param_groups), tuple([
-        (id(p), tuple(s) if isinstance(s, dict) else None) for p, s in obj.state.items()])
+    return len(obj.param_groups), {
+        id(p): {k: id(v) if isinstance(v, torch.Tensor) else None for k, v in s.items()}
+        if isinstance(s, dict) else None for p, s in obj.state.items()}
+
+
+def _kept_state(then: Any, now: Any) -> bool:
+    """Whether every state tensor there was is still there (new ones: ``grew``)."""
+    if then is None:
+        return True
+    for p, per in then[1].items():
+        current = now[1].get(p)
+        if per is None or current is None:
+            continue
+        if any(v is not None and current.get(k, v) != v for k, v in per.items()):
+            return False
+    return True
 
 
 def _saved(obj: Any) -> Any:

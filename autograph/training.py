@@ -169,6 +169,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         for i in wants:
             static[i].requires_grad_(True)
         seen["targets"] = [static[i] for i in wants]
+        seen["arguments"] = {id(static[i]) for i in flat.tensor_pos}
         for i in flat.tensor_pos:
             if static[i] is not leaves[i]:  # a static buffer, not the caller's tensor
                 statics.setdefault(_storage_key(static[i]), []).append(i)
@@ -194,7 +195,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
     problem = _foreign(trained.static_diff, trained.targets, seen["start"],
-                       _takes_capture_for_tracing(watch), set(statics))
+                       _takes_capture_for_tracing(watch), set(statics), seen["arguments"])
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)
     if trained.spill_set is not None:
@@ -376,7 +377,8 @@ def _foreign_unpack(raw: Any) -> bool:
 
 
 def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int,
-             capture_branches: bool = False, local: Collection[int] = ()) -> str | None:
+             capture_branches: bool = False, local: Collection[int] = (),
+             arguments: Collection[int] = ()) -> str | None:
     """Why the captured autograd graph reaches beyond the call (a tensor that requires
     grad and is no argument or parameter, or one computed with autograd before the
     call): gradients would not reach it; or why its backward cannot run (checkpointing
@@ -386,9 +388,10 @@ def _foreign(outs: list[torch.Tensor], targets: list[torch.Tensor], start: int,
     A leaf over the memory of an argument's static buffer (storages in ``local``) was
     made by the call: wav2vec2's feature encoder sets ``requires_grad`` on a view of its
     input, whose ``.grad`` no one outside the call can read (the gradient stops there in
-    eager mode too); the backward graph leaves it out."""
+    eager mode too); the backward graph leaves it out.  Not the argument itself (ids in
+    ``arguments``: the caller holds it), nor a returned one."""
     allowed = {id(t) for t in targets}
-    returned = {id(t) for t in outs}
+    returned = {id(t) for t in outs} | set(arguments)
     for node in gradgraph.nodes(outs):
         if _REENTRANT is not None and getattr(node, "_forward_cls", None) is _REENTRANT:
             return "reentrant activation checkpointing (use_reentrant=True) runs a " \

@@ -183,6 +183,11 @@ def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> 
             raise _NoReplay(out)
         return out
 
+    # a whole step's .grad: the graph's tensors, which the eager run replaces (a
+    # zero_grad setting them to None): put back, as the step's guard expects them
+    steps = engine.watch.steps
+    grads = [(t, t.grad) for t in engine.watch.tensors() if t.requires_grad] \
+        if steps.active else []
     try:
         result, problem = check(engine.eager, replay, flat, captured.inplace,
                                 _written(captured))
@@ -193,6 +198,9 @@ def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> 
     stats = engine.stats
     stats.verifications += 1
     if problem is None:
+        for t, grad in grads:
+            if t.grad is not grad:
+                t.grad = grad
         engine.replayed(entry)
         return result
     stats.verify_failures += 1

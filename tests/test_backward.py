@@ -2445,3 +2445,33 @@ def check_a_bidirectional_lstm_trains_with_graphs(device: str = "cpu") -> None:
 
 def test_a_bidirectional_lstm_trains_with_graphs(standin):
     check_a_bidirectional_lstm_trains_with_graphs()
+
+
+class _MarksItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x.requires_grad_(True)  # the caller's tensor: it holds it
+        return self.lin(x).tanh()
+
+
+def check_a_forward_marking_its_argument_runs_eagerly(device: str = "cpu") -> None:
+    """A forward that sets ``requires_grad`` on its argument: a replay marked its static
+    buffer, not the caller's tensor, which got no gradient. It runs eagerly."""
+    torch.manual_seed(0)
+    eager = _MarksItsInput().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    for _ in range(5):
+        x = torch.randn(3, 8, device=device)
+        xe = x.clone()
+        g(x).sum().backward()
+        eager(xe).sum().backward()
+        assert x.requires_grad and x.grad is not None
+        torch.testing.assert_close(x.grad, xe.grad)
+    assert autograph.stats(g)["eager_reasons"].get("assigns_attribute", 0) >= 3
+
+
+def test_a_forward_marking_its_argument_runs_eagerly(standin):
+    check_a_forward_marking_its_argument_runs_eagerly()

@@ -3779,6 +3779,10 @@ class _Configured(nn.Module):
         return y.relu() if self.type == "relu" else y.tanh()
 
 
+def _nested_forward(modules, x):
+    return modules[0][0](x) * 2
+
+
 def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cpu"):
     """``wrapper.type`` (an attribute named as a module method the wrapper returns
     itself from) is the module's, read, set and deleted; a ``forward`` set on the
@@ -3793,7 +3797,7 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
     g = autograph.graphed(m)
     assert g.type == "relu" and g.to(device) is g
     with torch.no_grad():
-        for i in range(24):
+        for i in range(40):
             if i == 5:
                 g.type = twin.type = "tanh"
                 assert m.type == "tanh"
@@ -3803,12 +3807,18 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
             if i == 18:
                 m.forward = functools.partial(_Configured.forward, other)
                 twin.forward = functools.partial(_Configured.forward, other_twin)
-            if i in (14, 22):
+            if i == 26:  # deeper: a nested list, a lambda's closure
+                m.forward = functools.partial(_nested_forward, [[other]])
+                twin.forward = functools.partial(_nested_forward, [[other_twin]])
+            if i == 34:
+                m.forward = lambda x: other(x) + 1  # noqa: B023 - the loop's own
+                twin.forward = lambda x: other_twin(x) + 1  # noqa: B023
+            if i in (14, 22, 30, 38):
                 other.scale = other_twin.scale = i / 4
             x = torch.randn(2, 4, device=device)
             torch.testing.assert_close(g(x), twin(x))
     s = autograph.stats(g)
-    assert s["replays"] >= 6 and s["invalidations"] == 5, s
+    assert s["replays"] >= 10 and s["invalidations"] == 9, s
     del g.type
     assert "type" not in vars(m) and g.type(torch.float32) is g  # the method again
     g.stored = m.lin.forward  # a bound method stored on the module

@@ -523,6 +523,21 @@ def test_whole_steps_see_swapped_parameters_and_optimizer_attributes(standin):
     check_whole_steps_see_swapped_parameters_and_optimizer_attributes()
 
 
+class _Decayed(torch.optim.Optimizer):
+    """A user's momentum SGD whose state tensor is replaced at each step."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["m"] = state["m"] * 0.9 + p.grad if "m" in state else p.grad.clone()
+                p.sub_(group["lr"] * state["m"])
+
+
 class _Trust(torch.optim.SGD):
     """An SGD that keeps a list of tensors in its group, made anew by every step, and a
     count that is no dict in its state."""
@@ -538,16 +553,17 @@ class _Trust(torch.optim.SGD):
 def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
     """A step captured first (``warmup=0``) that makes its optimizer's momentum runs
     eagerly once and is captured after a warmup (its graph replayed the first step's
-    branch); a learning rate a kernel decays in place, and tensors made in a group by
-    every step, are what replays do again (they replay); a failed capture leaves no
-    ``.grad`` of its own (memory no kernel wrote) on the parameters."""
+    branch); a learning rate a kernel decays in place replays; one replaced by a new
+    tensor made from it, a state tensor replaced so, or tensors made anew in a group by
+    every step run eagerly (a replay would read the captured one again); a failed
+    capture leaves no ``.grad`` of its own (memory no kernel wrote) on the parameters."""
     def stepper(model):
-        lr = torch.tensor(0.01, device=device) if kind == "lr decay" else 0.05
+        lr = torch.tensor(0.01, device=device) if kind.startswith("lr") else 0.05
         opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "momentum"
                else torch.optim.AdamW(model.parameters(), lr=lr, fused=True,
                                       capturable=device != "cpu")
-               if kind == "lr decay" else _Trust(model[0].parameters(), lr=0.05))
-
+               if kind.startswith("lr") else _Decayed(model.parameters(), lr=0.05)
+               if kind == "state replaced" else _Trust(model[0].parameters(), lr=0.05))
         decay = opt.param_groups[0]["lr"]  # the group's tensor
 
         def train(x, y):
@@ -557,11 +573,13 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
             opt.step()
             if kind == "lr decay":
                 decay.mul_(0.99)
+            if kind == "lr replaced":  # a new tensor, made from the one it replaces
+                opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"] * 0.9
             return loss.item() if kind == "failed" else loss.detach()
         return train
 
     model, twin = make().to(device), make().to(device)
-    train = autograph.graphed(stepper(model), warmup=2 if kind in ("lr decay", "trust") else 0)
+    train = autograph.graphed(stepper(model), warmup=0 if kind in ("momentum", "failed") else 2)
     eager = stepper(twin)
     for x, y in batches(8):
         x, y = x.to(device), y.to(device)
@@ -570,9 +588,33 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
             torch.testing.assert_close(p, q)
             torch.testing.assert_close(p.grad, q.grad)
     s = autograph.stats(train)
-    assert s["replays"] >= 4 or (kind == "failed" and s["eager_reasons"]["capture_failed"]), s
+    if kind in ("momentum", "lr decay"):
+        assert s["replays"] >= 4, s
+    else:  # eager, and why
+        assert s["replays"] == 0 and (s["eager_reasons"].get("capture_failed") if kind ==
+                                      "failed" else s["eager_reasons"]["assigns_attribute"]), s
 
 
-@pytest.mark.parametrize("kind", ["momentum", "lr decay", "trust", "failed"])
+KINDS = ["momentum", "lr decay", "lr replaced", "state replaced", "trust", "failed"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_whole_steps_with_state_made_or_written_by_kernels(standin, kind):
     check_whole_steps_with_state_made_or_written_by_kernels(kind)
+
+
+def test_verified_whole_steps_keep_replaying(standin):
+    """``verify_every`` on a whole step: the check's eager run left its own new
+    ``.grad`` tensors on the parameters, so the step's guard dropped the graphs after
+    every verification."""
+    counts = []
+    for every in (None, 3):
+        trainer, twin = Trainer(make()), Trainer(make())
+        train = autograph.graphed(trainer.step, verify_every=every)
+        for x, y in batches(20):
+            torch.testing.assert_close(train(x, y), twin.step(x, y))
+        same_params(trainer.model, twin.model)
+        s = autograph.stats(train)
+        counts.append((s["replays"], s["captures"], s["invalidations"]))
+        assert every is None or s["verifications"] >= 5, s
+    assert counts[0] == counts[1], counts

@@ -13,6 +13,7 @@ from ..test_backward import (
     check_a_bidirectional_lstm_trains_with_graphs,
     check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
+    check_a_forward_marking_its_argument_runs_eagerly,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
     check_a_leaf_made_from_an_argument_in_the_call_is_trained,
     check_a_leaf_the_call_makes_and_returns_keeps_its_grad,
@@ -174,6 +175,7 @@ from ..test_usage import (
     check_written_conjugate_and_negative_views,
 )
 from ..test_whole_step import (
+    KINDS,
     check_a_failed_step_capture_is_not_stepped_twice,
     check_accumulating_micro_steps_captured_first_in_their_window,
     check_no_grad_calls_under_grad_mode_survive_training_steps,
@@ -819,7 +821,7 @@ def test_a_leaf_made_from_an_argument_in_the_call_is_trained():
     check_a_leaf_made_from_an_argument_in_the_call_is_trained("cuda")
 
 
-@pytest.mark.parametrize("kind", ["momentum", "lr decay", "trust", "failed"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_whole_steps_with_state_made_or_written_by_kernels(kind):
     check_whole_steps_with_state_made_or_written_by_kernels(kind, "cuda")
 
@@ -830,3 +832,7 @@ def test_a_bidirectional_lstm_trains_with_graphs():
 
 def test_ctc_loss_with_host_lengths_equals_eager():
     check_ctc_loss_with_host_lengths_equals_eager("cuda")
+
+
+def test_a_forward_marking_its_argument_runs_eagerly():
+    check_a_forward_marking_its_argument_runs_eagerly("cuda")

@@ -454,8 +454,9 @@ def _host_random_state(device: torch.device, gens: tuple[Any, ...] = ()) -> tupl
         state.append(bytes(torch.random.default_generator.get_state().numpy()))
     np = sys.modules.get("numpy")
     if np is not None:
-        with contextlib.suppress(Exception):
-            state.append(np.random.get_state()[2])  # the position in the stream
+        with contextlib.suppress(Exception):  # its position and key (a draw of 624
+            _, key, pos, *_ = np.random.get_state()  # words comes back to the position)
+            state.append((pos, hash(key.tobytes())))
     return (*state, *rng.host_state(gens))
 
 

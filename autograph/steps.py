@@ -180,16 +180,23 @@ def _compared(obj: Any) -> Any:
 
 def _grown(obj: Any) -> Any:
     """An optimizer's groups and state: per parameter its state's keys, each tensor's
-    identity."""
+    identity and each plain value (a step count kept on the host)."""
     if not isinstance(obj, torch.optim.Optimizer):
         return None
     return len(obj.param_groups), {
-        id(p): {k: id(v) if isinstance(v, torch.Tensor) else None for k, v in s.items()}
-        if isinstance(s, dict) else None for p, s in obj.state.items()}
+        id(p): {k: _state_value(v) for k, v in s.items()} if isinstance(s, dict) else None
+        for p, s in obj.state.items()}
+
+
+def _state_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return "tensor", id(value)
+    return value if isinstance(value, _PLAIN) and value is not None else None
 
 
 def _kept_state(then: Any, now: Any) -> bool:
-    """Whether every state tensor there was is still there (new ones: ``grew``)."""
+    """Whether every state tensor and plain value there was is still there, unchanged
+    (new ones: ``grew``)."""
     if then is None:
         return True
     for p, per in then[1].items():

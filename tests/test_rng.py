@@ -439,3 +439,28 @@ def test_a_generator_held_by_a_class_the_code_names_decides_eagerly(standin):
         x = torch.randn(4)
         assert torch.equal(g(x), _explore(x, twin))
     assert autograph.stats(g)["replays"] == 0, autograph.stats(g)
+
+
+def check_a_global_numpy_draw_of_624_words_is_seen(device="cpu"):
+    """A draw of exactly 624 words from numpy's global stream (``np.random.rand(312)``,
+    a per-sample host mask) brings its position back where it was: the key of the
+    stream is compared too, and the call runs eagerly (``host_random``)."""
+    import numpy as np
+
+    def masked(x):
+        keep = torch.from_numpy(np.random.rand(312) < 0.5).to(x.device)
+        return x * keep.to(x.dtype)[: x.shape[0]].view(-1, 1)
+
+    g = autograph.graphed(masked)
+    for i in range(6):
+        x = torch.ones(8, 2, device=device)
+        np.random.seed(i)
+        got = g(x)
+        np.random.seed(i)
+        assert torch.equal(got, masked(x))
+    s = autograph.stats(g)
+    assert s["replays"] == 0 and s["eager_reasons"].get("host_random"), s
+
+
+def test_a_global_numpy_draw_of_624_words_is_seen(standin):
+    check_a_global_numpy_draw_of_624_words_is_seen()

@@ -538,6 +538,18 @@ class _Decayed(torch.optim.Optimizer):
                 p.sub_(group["lr"] * state["m"])
 
 
+class _Counted(torch.optim.SGD):
+    """A user's SGD whose bias correction reads a step count kept on the host."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                p.sub_(p.grad, alpha=group["lr"] / state["step"])
+
+
 class _Trust(torch.optim.SGD):
     """An SGD that keeps a list of tensors in its group, made anew by every step, and a
     count that is no dict in its state."""
@@ -563,7 +575,8 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
                else torch.optim.AdamW(model.parameters(), lr=lr, fused=True,
                                       capturable=device != "cpu")
                if kind.startswith("lr") else _Decayed(model.parameters(), lr=0.05)
-               if kind == "state replaced" else _Trust(model[0].parameters(), lr=0.05))
+               if kind == "state replaced" else _Counted(model.parameters(), lr=0.05)
+               if kind == "host count" else _Trust(model[0].parameters(), lr=0.05))
         decay = opt.param_groups[0]["lr"]  # the group's tensor
 
         def train(x, y):
@@ -595,7 +608,8 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
                                       "failed" else s["eager_reasons"]["assigns_attribute"]), s
 
 
-KINDS = ["momentum", "lr decay", "lr replaced", "state replaced", "trust", "failed"]
+KINDS = ["momentum", "lr decay", "lr replaced", "state replaced", "host count", "trust",
+         "failed"]
 
 
 @pytest.mark.parametrize("kind", KINDS)

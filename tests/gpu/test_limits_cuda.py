@@ -117,6 +117,7 @@ from ..test_rng import (
     _setters,
     check_a_call_setting_the_generator_runs_eagerly,
     check_a_custom_operator_that_draws_is_not_verified_nor_given_variants,
+    check_a_global_numpy_draw_of_624_words_is_seen,
     check_calls_that_draw_replay_eagers_numbers_under_the_same_seeds,
     check_host_generator_objects_decide_eagerly,
     check_host_generators_reached_by_every_route_decide_eagerly,
@@ -836,3 +837,7 @@ def test_ctc_loss_with_host_lengths_equals_eager():
 
 def test_a_forward_marking_its_argument_runs_eagerly():
     check_a_forward_marking_its_argument_runs_eagerly("cuda")
+
+
+def test_a_global_numpy_draw_of_624_words_is_seen():
+    check_a_global_numpy_draw_of_624_words_is_seen("cuda")

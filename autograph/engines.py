@@ -9,6 +9,7 @@ call).  Every live engine is listed weakly here, for ``reset()``, ``stats()`` an
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from .arguments import (
     positional_names,
 )
 from .buckets import Bucketer
+from .coderefs import _namespace
 from .dispatch import Engine
 from .guards import Watch
 from .notify import global_hooks
@@ -120,22 +122,46 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
 
 
 def _bound_modules(module: nn.Module) -> list[nn.Module]:
-    """The other modules a ``forward`` set on the instance binds (``m.forward =
-    other.forward``, a ``functools.partial`` over other modules or containers of them,
-    a function's closure cells): the call reads their state too, so their trees are
-    watched as the module's own."""
-    found: list[Any] = []
-    fn = vars(module).get("forward")
-    while isinstance(fn, functools.partial):
-        found += (*fn.args, *fn.keywords.values())
-        fn = fn.func
-    found.append(getattr(fn, "__self__", None))
-    found += [c.cell_contents for c in getattr(getattr(fn, "__func__", fn), "__closure__",
-                                                None) or () if _filled(c)]
+    """The other modules a ``forward`` set on the instance reaches by what it binds
+    (``m.forward = other.forward``, a ``functools.partial`` over other modules, a plain
+    object's method, a function's closure cells), three levels down through
+    containers, plain objects and functions: the call reads their state too, so their
+    trees are watched as the module's own."""
     modules: list[nn.Module] = []
-    _collect(found, modules, depth=3)
+    _collect([vars(module).get("forward")], modules, depth=4, seen=set())
     return [m for m in modules if m is not module and getattr(m, "__wrapped__", None)
             is not module]
+
+
+def _collect(values: Any, modules: list[nn.Module], depth: int, seen: set[int]) -> None:
+    """The modules among ``values`` and what they bind or hold, ``depth`` levels."""
+    for value in values:
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, nn.Module):
+            modules.append(value)
+        elif depth:
+            _collect(_bound(value), modules, depth - 1, seen)
+
+
+def _bound(value: Any) -> list[Any]:
+    """What ``value`` binds or holds: a partial's arguments and function, a method's
+    object and function, a function's closure cells, a container's items, a plain
+    object's attributes."""
+    if isinstance(value, functools.partial):
+        return [*value.args, *value.keywords.values(), value.func]
+    if isinstance(value, types.MethodType):
+        return [value.__self__, value.__func__]
+    if isinstance(value, types.FunctionType):
+        return [c.cell_contents for c in value.__closure__ or () if _filled(c)]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, dict):
+        return list(value.values())
+    if _namespace(value) and not isinstance(value, types.ModuleType):
+        return list(getattr(value, "__dict__", {}).values())
+    return []
 
 
 def _filled(cell: Any) -> bool:
@@ -144,17 +170,6 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _collect(values: Any, modules: list[nn.Module], depth: int) -> None:
-    """The modules among ``values``, in lists, tuples and dicts ``depth`` levels down."""
-    for value in values:
-        if isinstance(value, nn.Module):
-            modules.append(value)
-        elif depth and isinstance(value, (list, tuple)):
-            _collect(value, modules, depth - 1)
-        elif depth and isinstance(value, dict):
-            _collect(value.values(), modules, depth - 1)
 
 
 def live_handles() -> list[Handle]:

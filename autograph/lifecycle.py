@@ -454,9 +454,9 @@ def _host_random_state(device: torch.device, gens: tuple[Any, ...] = ()) -> tupl
         state.append(bytes(torch.random.default_generator.get_state().numpy()))
     np = sys.modules.get("numpy")
     if np is not None:
-        with contextlib.suppress(Exception):  # its position and key (a draw of 624
-            _, key, pos, *_ = np.random.get_state()  # words comes back to the position)
-            state.append((pos, hash(key.tobytes())))
+        with contextlib.suppress(Exception):  # all of it (a draw of 624 words comes
+            # back to the position; another bit generator has no legacy state)
+            state.append(hash(rng._frozen(np.random.get_state(legacy=False))))
     return (*state, *rng.host_state(gens))
 
 

@@ -179,32 +179,47 @@ def _compared(obj: Any) -> Any:
 
 
 def _grown(obj: Any) -> Any:
-    """An optimizer's groups and state: per parameter its state's keys, each tensor's
-    identity and each plain value (a step count kept on the host)."""
+    """An optimizer's groups and state: per state entry (a parameter's dict, or any
+    other value the optimizer keeps there) its keys and what each holds
+    (:func:`_state_value`)."""
     if not isinstance(obj, torch.optim.Optimizer):
         return None
     return len(obj.param_groups), {
-        id(p): {k: _state_value(v) for k, v in s.items()} if isinstance(s, dict) else None
-        for p, s in obj.state.items()}
+        id(p): {k: _state_value(v) for k, v in s.items()} if isinstance(s, dict)
+        else {None: _state_value(s)} for p, s in obj.state.items()}
 
 
-def _state_value(value: Any) -> Any:
+def _state_value(value: Any, depth: int = 2) -> Any:
+    """What a state value holds, comparable with ``==``: tensors by identity, plain
+    values (numpy's scalars too) as they are, lists, tuples and dicts opened (two
+    levels), other objects by identity."""
     if isinstance(value, torch.Tensor):
         return "tensor", id(value)
-    return value if isinstance(value, _PLAIN) and value is not None else None
+    if isinstance(value, _PLAIN):
+        return value
+    if depth and isinstance(value, (list, tuple)):
+        return tuple([_state_value(v, depth - 1) for v in value])
+    if depth and isinstance(value, dict):
+        return tuple([(k, _state_value(v, depth - 1)) for k, v in value.items()])
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():  # a numpy scalar
+        return "scalar", item()
+    return "object", id(value)
 
 
 def _kept_state(then: Any, now: Any) -> bool:
-    """Whether every state tensor and plain value there was is still there, unchanged
-    (new ones: ``grew``)."""
+    """Whether every state value there was is still there, unchanged (new ones:
+    ``grew``; a NaN kept is the same object)."""
     if then is None:
         return True
     for p, per in then[1].items():
         current = now[1].get(p)
-        if per is None or current is None:
+        if current is None:
             continue
-        if any(v is not None and current.get(k, v) != v for k, v in per.items()):
-            return False
+        for k, v in per.items():
+            c = current.get(k, v)
+            if c is not v and c != v:
+                return False
     return True
 
 
@@ -292,6 +307,21 @@ class StepGuard:
             if not any(ref() is optimizer for ref, _ in self._items):
                 self._items.append((weakref.ref(optimizer), snapshot(optimizer)))
                 self.active = True
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The guarded optimizers, alive."""
+        alive = [ref() for ref, _ in self._items]
+        return [o for o in alive if o is not None]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the guarded optimizers keep as state (a fused kernel writes
+        them without advancing their version)."""
+        return [v for o in self.optimizers() for per in o.state.values()
+                if isinstance(per, dict) for v in per.values() if isinstance(v, torch.Tensor)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The parameters of the guarded optimizers."""
+        return [p for o in self.optimizers() for g in o.param_groups for p in g["params"]]
 
     def ok(self) -> bool:
         """True while every guarded optimizer is alive and as captured."""

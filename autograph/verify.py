@@ -186,11 +186,13 @@ def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> 
     # a whole step's .grad: the graph's tensors, which the eager run replaces (a
     # zero_grad setting them to None): put back, as the step's guard expects them
     steps = engine.watch.steps
-    grads = [(t, t.grad) for t in engine.watch.tensors() if t.requires_grad] \
-        if steps.active else []
+    grads = list({id(t): (t, t.grad) for t in (*engine.watch.tensors(), *steps.parameters())
+                  if t.requires_grad}.values()) if steps.active else []
+    written = _written(captured)  # and the optimizers' state (fused kernels leave its
+    seen = {id(t) for t in written}  # version as it was)
+    written += [t for t in steps.state_tensors() if id(t) not in seen]
     try:
-        result, problem = check(engine.eager, replay, flat, captured.inplace,
-                                _written(captured))
+        result, problem = check(engine.eager, replay, flat, captured.inplace, written)
     except _NoReplay as no:
         if no.outcome is HELD:
             return engine.protect(flat, captured.held_reason)

@@ -460,6 +460,18 @@ def check_a_global_numpy_draw_of_624_words_is_seen(device="cpu"):
         assert torch.equal(got, masked(x))
     s = autograph.stats(g)
     assert s["replays"] == 0 and s["eager_reasons"].get("host_random"), s
+    setter = getattr(np.random, "set_bit_generator", None)
+    if setter is None:
+        return
+    before = np.random.get_bit_generator()
+    setter(np.random.PCG64(0))  # no legacy state: read as a whole
+    try:
+        scaled = autograph.graphed(lambda x: x * float(np.random.rand()))
+        outs = [scaled(torch.ones(2, device=device)) for _ in range(6)]
+        assert len({o[0].item() for o in outs}) == 6, outs
+        assert autograph.stats(scaled)["replays"] == 0
+    finally:
+        setter(before)
 
 
 def test_a_global_numpy_draw_of_624_words_is_seen(standin):

@@ -3783,6 +3783,14 @@ def _nested_forward(modules, x):
     return modules[0][0](x) * 2
 
 
+class _Runner:
+    def __init__(self, module):
+        self.module = module
+
+    def run(self, x):
+        return self.module(x) - 1
+
+
 def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cpu"):
     """``wrapper.type`` (an attribute named as a module method the wrapper returns
     itself from) is the module's, read, set and deleted; a ``forward`` set on the
@@ -3797,7 +3805,7 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
     g = autograph.graphed(m)
     assert g.type == "relu" and g.to(device) is g
     with torch.no_grad():
-        for i in range(40):
+        for i in range(48):
             if i == 5:
                 g.type = twin.type = "tanh"
                 assert m.type == "tanh"
@@ -3813,12 +3821,15 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
             if i == 34:
                 m.forward = lambda x: other(x) + 1  # noqa: B023 - the loop's own
                 twin.forward = lambda x: other_twin(x) + 1  # noqa: B023
-            if i in (14, 22, 30, 38):
+            if i == 42:  # a plain object's method, the module its attribute
+                m.forward = _Runner(other).run
+                twin.forward = _Runner(other_twin).run
+            if i in (14, 22, 30, 38, 46):
                 other.scale = other_twin.scale = i / 4
             x = torch.randn(2, 4, device=device)
             torch.testing.assert_close(g(x), twin(x))
     s = autograph.stats(g)
-    assert s["replays"] >= 10 and s["invalidations"] == 9, s
+    assert s["replays"] >= 12 and s["invalidations"] == 11, s
     del g.type
     assert "type" not in vars(m) and g.type(torch.float32) is g  # the method again
     g.stored = m.lin.forward  # a bound method stored on the module

@@ -524,18 +524,22 @@ def test_whole_steps_see_swapped_parameters_and_optimizer_attributes(standin):
 
 
 class _Decayed(torch.optim.Optimizer):
-    """A user's momentum SGD whose state tensor is replaced at each step."""
+    """A user's momentum SGD whose state tensor is replaced at each step (``boxed``:
+    held in a list)."""
 
-    def __init__(self, params, lr):
+    def __init__(self, params, lr, boxed=False):
         super().__init__(params, {"lr": lr})
+        self.boxed = boxed
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state[p]
-                state["m"] = state["m"] * 0.9 + p.grad if "m" in state else p.grad.clone()
-                p.sub_(group["lr"] * state["m"])
+                m = state["m"][0] if self.boxed and "m" in state else state.get("m")
+                m = p.grad.clone() if m is None else m * 0.9 + p.grad
+                state["m"] = [m] if self.boxed else m
+                p.sub_(group["lr"] * m)
 
 
 class _Counted(torch.optim.SGD):
@@ -571,13 +575,17 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
     capture leaves no ``.grad`` of its own (memory no kernel wrote) on the parameters."""
     def stepper(model):
         lr = torch.tensor(0.01, device=device) if kind.startswith("lr") else 0.05
-        opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9) if kind == "momentum"
+        opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+               if kind in ("momentum", "nan") else _Decayed(model.parameters(), 0.05, True)
+               if kind == "state list"
                else torch.optim.AdamW(model.parameters(), lr=lr, fused=True,
                                       capturable=device != "cpu")
                if kind.startswith("lr") else _Decayed(model.parameters(), lr=0.05)
                if kind == "state replaced" else _Counted(model.parameters(), lr=0.05)
                if kind == "host count" else _Trust(model[0].parameters(), lr=0.05))
         decay = opt.param_groups[0]["lr"]  # the group's tensor
+        if kind == "nan":
+            opt.state["unset"] = float("nan")  # kept as it is: the same object
 
         def train(x, y):
             opt.zero_grad()
@@ -601,15 +609,15 @@ def check_whole_steps_with_state_made_or_written_by_kernels(kind, device="cpu"):
             torch.testing.assert_close(p, q)
             torch.testing.assert_close(p.grad, q.grad)
     s = autograph.stats(train)
-    if kind in ("momentum", "lr decay"):
+    if kind in ("momentum", "lr decay", "nan"):
         assert s["replays"] >= 4, s
     else:  # eager, and why
         assert s["replays"] == 0 and (s["eager_reasons"].get("capture_failed") if kind ==
                                       "failed" else s["eager_reasons"]["assigns_attribute"]), s
 
 
-KINDS = ["momentum", "lr decay", "lr replaced", "state replaced", "host count", "trust",
-         "failed"]
+KINDS = ["momentum", "lr decay", "nan", "lr replaced", "state replaced", "state list",
+         "host count", "trust", "failed"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -617,13 +625,19 @@ def test_whole_steps_with_state_made_or_written_by_kernels(standin, kind):
     check_whole_steps_with_state_made_or_written_by_kernels(kind)
 
 
-def test_verified_whole_steps_keep_replaying(standin):
+@pytest.mark.parametrize("fused", [False, True])
+def test_verified_whole_steps_keep_replaying(standin, fused):
     """``verify_every`` on a whole step: the check's eager run left its own new
     ``.grad`` tensors on the parameters, so the step's guard dropped the graphs after
-    every verification."""
+    every verification; a fused optimizer's state (written without a version bump) was
+    stepped by the check's eager run too."""
     counts = []
     for every in (None, 3):
         trainer, twin = Trainer(make()), Trainer(make())
+        if fused:
+            for t in (trainer, twin):
+                t.opt = torch.optim.SGD(t.model.parameters(), lr=0.05, momentum=0.9,
+                                        fused=True)
         train = autograph.graphed(trainer.step, verify_every=every)
         for x, y in batches(20):
             torch.testing.assert_close(train(x, y), twin.step(x, y))

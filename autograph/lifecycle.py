@@ -114,8 +114,9 @@ class RandomFound(Exception):
 
 class StateMade(Exception):
     """The capture made an optimizer's state (its first step, under ``warmup=0`` or
-    after ``state.clear()``): the graph would replay the first step's branch.  The call
-    runs eagerly (it makes the state) and the key warms up once before capturing."""
+    after ``state.clear()``) or a ``.grad`` where there was none: the graph would
+    replay the first step's branch (assign where later calls add).  The call runs
+    eagerly (it makes the state) and the key warms up once before capturing."""
 
 
 class WritesFound(Exception):
@@ -473,8 +474,13 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     objects = _kept(watch, reached, flat)  # put back where the capture fails
     grads = _grads(watch, objects)
     try:
-        return _capture(fn, flat, backend, device, watch, inplace, reached, objects,
-                        reuse=reuse, rng_free=rng_free, aliases=aliases)
+        captured = _capture(fn, flat, backend, device, watch, inplace, reached, objects,
+                            reuse=reuse, rng_free=rng_free, aliases=aliases)
+        if any(grad is None and t.grad is not None for t, grad in grads):
+            # a .grad made where there was none: the graph assigns it, where a later
+            # call that finds it there adds to it (a step that zeroes none itself)
+            raise StateMade()
+        return captured
     except BaseException:  # its Python ran once, and runs again (eager, or captured)
         objects.restore()
         _put_back_grads(grads)

@@ -68,23 +68,27 @@ class Rotation:
         self._agrees = agrees  # whether a new variant gives what the key's graph gives
         self.nbytes = nbytes  # what all variants together may hold: outputs and buffers
 
-    def grow(self) -> None:
+    def grow(self) -> bool:
         """Capture one more variant (under the capture lock), or end the rotation if it
-        cannot be captured or does not give what the key's graph gives."""
+        cannot be captured or does not give what the key's graph gives; False where the
+        capture lock was busy (nothing changed: the caller must not wait for it)."""
         with capture_turn(wait=0) as turn:  # busy: a later call grows it (the holder
-            if not turn or not self.room:  # may wait on this thread: never block here)
-                return  # (or another thread grew it meanwhile)
+            if not turn:  # may wait on this thread: never block here)
+                return False
+            if not self.room:  # another thread grew it meanwhile
+                return True
             try:
                 slot = self._capture()
                 same = self._agrees(slot)
             except Exception as exc:  # noqa: BLE001 - clones stay right
                 self.end(f"{type(exc).__name__}: {exc}")
-                return
+                return True
             if not same:  # state no guard sees changed since the key's capture
                 self.end("its result differs from the key's graph")
-                return
+                return True
             self.slots = (*self.slots, slot)
             self.room = len(self.slots) < SLOTS
+            return True
 
     def end(self, why: str) -> None:
         """No variants from now on: the key's graph and clones, as without them."""
@@ -94,8 +98,8 @@ class Rotation:
     def fill(self) -> None:
         """Capture every variant now (``autograph.warmup``), in the key's modes."""
         self.armed = True
-        while self.room:
-            self.grow()
+        while self.room and self.grow():
+            pass
 
     def runner(self, fallback: Callable[[Any], Any], prepare: Callable[[Any], None],
                lock: Any) -> Callable[[Any], Any]:
@@ -120,10 +124,10 @@ class Rotation:
                             prepare(leaves)
                             slot.graph.replay()
                             return slot.buffer.detach()
-                if not (rotation.room and rotation.armed):
-                    rotation.armed = True
-                    return fallback(leaves)
-                rotation.grow()  # then the new variant's buffer is free
+                if not (rotation.room and rotation.armed) or not rotation.grow():
+                    rotation.armed = True  # (lock busy: the holder may wait on this
+                    return fallback(leaves)  # thread; a later call grows it)
+                # then the new variant's buffer is free
 
         return run
 

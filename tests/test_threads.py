@@ -286,6 +286,45 @@ def test_a_call_waiting_on_a_worker_threads_graphed_call_does_not_hang(standin, 
     assert autograph.stats(branch)["replays"] >= 2, autograph.stats(branch)
 
 
+def check_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin(
+        device="cpu"):
+    """A worker's replay of a captured key with output variants found none free and
+    tried to capture one while the waiting caller's warmup held the capture lock: the
+    busy lock changed nothing and the loop tried again for ever.  It clones instead."""
+    @autograph.graphed
+    def branch(x):
+        return x.sin() + 1
+
+    for _ in range(4):  # warmups, the capture, a replay (grad mode on: no copy kept)
+        held = branch(torch.randn(3, device=device))
+
+    def in_a_worker(x):  # (daemon threads: a spinning one does not block the exit)
+        out = []
+        worker = threading.Thread(target=lambda: out.append(branch(x)), daemon=True)
+        worker.start()
+        worker.join()
+        return out[0]
+
+    g = autograph.graphed(lambda x: in_a_worker(x) * 2)
+    done, failures = threading.Event(), []
+
+    def call():
+        try:
+            x = torch.randn(3, device=device)
+            torch.testing.assert_close(g(x), (x.sin() + 1) * 2)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    assert done.wait(30), "the worker's replay spun"
+    assert not failures and held is not None, failures
+
+
+def test_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin(standin):
+    check_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin()
+
+
 def test_a_graph_dropped_by_another_thread_during_a_replay(standin):
     """Another thread's ``reset`` (or a region's new options) dropped the entry's graph
     between its replay and the engine reading it: a held output (``outputs="reuse"``)

@@ -646,3 +646,35 @@ def test_verified_whole_steps_keep_replaying(standin, fused):
         counts.append((s["replays"], s["captures"], s["invalidations"]))
         assert every is None or s["verifications"] >= 5, s
     assert counts[0] == counts[1], counts
+
+
+def check_a_gradient_dropped_outside_an_accumulating_step(device="cpu"):
+    """A step that adds to a closure tensor's ``.grad`` (it zeroes none itself), whose
+    ``.grad`` the caller drops once: captured then, the graph assigned the gradient
+    where every later call adds to it. That capture runs eagerly, and the key warms up
+    and captures again with the gradient there."""
+    def stepper(w):
+        def train(x, y):
+            loss = ((x @ w - y) ** 2).mean()
+            loss.backward()
+            with torch.no_grad():
+                w.sub_(0.1 * w.grad)
+            return loss.detach()
+        return train
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 2, device=device, requires_grad=True)
+    twin = w.detach().clone().requires_grad_()
+    g, eager = autograph.graphed(stepper(w)), stepper(twin)
+    for i in range(12):
+        x, y = torch.randn(3, 4, device=device), torch.randn(3, 2, device=device)
+        if i == 5:
+            w.grad = twin.grad = None
+        torch.testing.assert_close(g(x, y), eager(x, y))
+        torch.testing.assert_close(w, twin)
+        torch.testing.assert_close(w.grad, twin.grad)
+    assert autograph.stats(g)["replays"] >= 4, autograph.stats(g)
+
+
+def test_a_gradient_dropped_outside_an_accumulating_step(standin):
+    check_a_gradient_dropped_outside_an_accumulating_step()

@@ -122,6 +122,9 @@ from ..test_rng import (
     check_host_generator_objects_decide_eagerly,
     check_host_generators_reached_by_every_route_decide_eagerly,
 )
+from ..test_threads import (
+    check_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin,
+)
 from ..test_usage import (
     check_a_callable_object_reads_its_attributes,
     check_a_class_attribute_flag_is_seen,
@@ -178,6 +181,7 @@ from ..test_usage import (
 from ..test_whole_step import (
     KINDS,
     check_a_failed_step_capture_is_not_stepped_twice,
+    check_a_gradient_dropped_outside_an_accumulating_step,
     check_accumulating_micro_steps_captured_first_in_their_window,
     check_no_grad_calls_under_grad_mode_survive_training_steps,
     check_steps_taking_gradients_with_autograd_grad,
@@ -841,3 +845,11 @@ def test_a_forward_marking_its_argument_runs_eagerly():
 
 def test_a_global_numpy_draw_of_624_words_is_seen():
     check_a_global_numpy_draw_of_624_words_is_seen("cuda")
+
+
+def test_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin():
+    check_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin("cuda")
+
+
+def test_a_gradient_dropped_outside_an_accumulating_step():
+    check_a_gradient_dropped_outside_an_accumulating_step("cuda")

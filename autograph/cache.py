@@ -61,6 +61,7 @@ class Entry:
     __slots__ = (
         "state", "runs", "reason", "detail", "graph", "nbytes", "run", "eager_s", "speedup",
         "used", "digest", "repeat", "direct", "contained", "backward_inside", "warm_first",
+        "state_made",
         "draws", "shaped", "syncs", "assigned_once", "kept_at", "cold", "hooked", "rng_drew",
         "rng_set_once",
     )
@@ -86,6 +87,7 @@ class Entry:
         self.backward_inside = False
         # warm up at least once before capturing (its last capture raised)
         self.warm_first = False
+        self.state_made = False  # a capture made state or a .grad once (StateMade)
         # whether the call draws random numbers on the device, as its warmup found
         # (None: unknown); a call known to draw none is captured without the generator
         self.draws: bool | None = None

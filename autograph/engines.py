@@ -25,7 +25,7 @@ from .arguments import (
     positional_names,
 )
 from .buckets import Bucketer
-from .coderefs import _namespace
+from .coderefs import _namespace, attributes
 from .dispatch import Engine
 from .guards import Watch
 from .notify import global_hooks
@@ -160,7 +160,7 @@ def _bound(value: Any) -> list[Any]:
     if isinstance(value, dict):
         return list(value.values())
     if _namespace(value) and not isinstance(value, types.ModuleType):
-        return list(getattr(value, "__dict__", {}).values())
+        return list(attributes(value).values())  # (slots too)
     return []
 
 

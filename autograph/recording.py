@@ -212,6 +212,11 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             entry.draws = True
             return capture(engine, key, entry, flat, backend, device)
         except lifecycle.StateMade:  # (put back): made by an eager run, then learned
+            if entry.state_made:  # again: made before every call (zero_grad outside)
+                entry.give_up(EagerReason.ASSIGNS, STATE_MADE_AGAIN)
+                stats.count_eager(EagerReason.ASSIGNS, STATE_MADE_AGAIN)
+                return engine.eager(*flat.call())
+            entry.state_made = True
             entry.runs, entry.direct, entry.warm_first = 0, False, True
             stats.count_eager(EagerReason.WARMUP, warn=False)
             return engine.eager(*flat.call())
@@ -355,6 +360,11 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
                      key.describe(), seconds * 1e3, nbytes / 2**20)
     stats.count_capture()
     return result
+
+STATE_MADE_AGAIN = ("each capture makes a .grad or optimizer state that was not there "
+                    "(dropped outside the step, as zero_grad() there does): a graph would "
+                    "assign it where eager adds; zero the gradients inside the step")
+
 
 def _capture_failed(engine: Engine, entry: Entry, flat: Flat, exc: Uncapturable) -> Any:
     """Run the call eagerly; if eager succeeds, the key stays eager for good (if eager

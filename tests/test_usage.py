@@ -3791,6 +3791,10 @@ class _Runner:
         return self.module(x) - 1
 
 
+class _SlottedRunner(_Runner):
+    __slots__ = ("module",)
+
+
 def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cpu"):
     """``wrapper.type`` (an attribute named as a module method the wrapper returns
     itself from) is the module's, read, set and deleted; a ``forward`` set on the
@@ -3805,7 +3809,7 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
     g = autograph.graphed(m)
     assert g.type == "relu" and g.to(device) is g
     with torch.no_grad():
-        for i in range(48):
+        for i in range(56):
             if i == 5:
                 g.type = twin.type = "tanh"
                 assert m.type == "tanh"
@@ -3824,12 +3828,15 @@ def check_the_wrapper_is_the_module_for_attributes_and_bound_forwards(device="cp
             if i == 42:  # a plain object's method, the module its attribute
                 m.forward = _Runner(other).run
                 twin.forward = _Runner(other_twin).run
-            if i in (14, 22, 30, 38, 46):
+            if i == 50:  # a slotted object's
+                m.forward = _SlottedRunner(other).run
+                twin.forward = _SlottedRunner(other_twin).run
+            if i in (14, 22, 30, 38, 46, 54):
                 other.scale = other_twin.scale = i / 4
             x = torch.randn(2, 4, device=device)
             torch.testing.assert_close(g(x), twin(x))
     s = autograph.stats(g)
-    assert s["replays"] >= 12 and s["invalidations"] == 11, s
+    assert s["replays"] >= 14 and s["invalidations"] == 13, s
     del g.type
     assert "type" not in vars(m) and g.type(torch.float32) is g  # the method again
     g.stored = m.lin.forward  # a bound method stored on the module

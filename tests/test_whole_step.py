@@ -678,3 +678,25 @@ def check_a_gradient_dropped_outside_an_accumulating_step(device="cpu"):
 
 def test_a_gradient_dropped_outside_an_accumulating_step(standin):
     check_a_gradient_dropped_outside_an_accumulating_step()
+
+
+def test_a_step_whose_gradients_are_dropped_outside_gives_up(standin):
+    """``model.zero_grad()`` (``set_to_none``) outside a whole step: every capture made
+    the ``.grad`` anew (eager once, a warmup, another capture, without end). The second
+    time the key runs eagerly for good, with its reason."""
+    trainer, twin = Trainer(make()), Trainer(make())
+
+    def outer_step(t, x, y):  # a step that zeroes nothing itself
+        loss = nn.functional.mse_loss(t.model(x), y)
+        loss.backward()
+        t.opt.step()
+        return loss.detach()
+
+    train = autograph.graphed(functools.partial(outer_step, trainer))
+    for x, y in batches(12):
+        trainer.model.zero_grad()
+        twin.model.zero_grad()
+        torch.testing.assert_close(train(x, y), outer_step(twin, x, y))
+        same_params(trainer.model, twin.model)
+    s = autograph.stats(train)
+    assert s["captures"] == 0 and s["eager_reasons"].get("assigns_attribute", 0) >= 5, s

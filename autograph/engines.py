@@ -124,7 +124,7 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
 def _bound_modules(module: nn.Module) -> list[nn.Module]:
     """The other modules a ``forward`` set on the instance reaches by what it binds
     (``m.forward = other.forward``, a ``functools.partial`` over other modules, a plain
-    object's method, a function's closure cells), three levels down through
+    object's method, a function's closure cells), four levels down through
     containers, plain objects and functions: the call reads their state too, so their
     trees are watched as the module's own."""
     modules: list[nn.Module] = []

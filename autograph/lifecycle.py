@@ -39,7 +39,15 @@ from .mutation import WriteRecorder, storage_ptr, watch_map
 from .reach import Reach
 from .replay import Bumps, Captured, use_count
 from .returned import opened
-from .steps import Kept, Stepped, training_object
+from .steps import (
+    Grads,
+    Kept,
+    Stepped,
+    grads_of,
+    parameters_of,
+    put_back_grads,
+    training_object,
+)
 from .versions import versions
 from .vocab import EagerReason, Uncapturable
 
@@ -483,7 +491,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         return captured
     except BaseException:  # its Python ran once, and runs again (eager, or captured)
         objects.restore()
-        _put_back_grads(grads)
+        put_back_grads(grads)
         raise
 
 
@@ -499,23 +507,11 @@ def _training_or_method(value: Any) -> bool:
     return training_object(value) or training_object(getattr(value, "__self__", None))
 
 
-def _grads(watch: Watch, objects: Kept) -> list[tuple[torch.Tensor, Any]]:
+def _grads(watch: Watch, objects: Kept) -> Grads:
     """The ``.grad`` of the tensors a whole step may give one (parameters, buffers,
     named tensors, its optimizers' parameters): a failed capture's backward left
     tensors no kernel wrote there, put back before its eager run."""
-    tensors = {id(t): t for t in (*watch.tensors(), *watch.named(), *(
-        p for o in objects.optimizers() for g in o.param_groups for p in g["params"]))
-        if isinstance(t, torch.Tensor) and t.requires_grad}
-    return [(t, t.grad) for t in tensors.values()]
-
-
-def _put_back_grads(grads: list[tuple[torch.Tensor, Any]]) -> None:
-    for t, grad in grads:
-        if t.grad is not grad:
-            try:
-                t.grad = grad
-            except RuntimeError:  # the tensor was reshaped meanwhile: drop its gradient
-                t.grad = None
+    return grads_of((*watch.tensors(), *watch.named(), *parameters_of(objects.optimizers())))
 
 
 def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,

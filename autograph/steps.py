@@ -58,7 +58,7 @@ class Stepped:
     def parameters(self) -> list[torch.Tensor]:
         """The parameters of the optimizers stepped: each step reads their ``.grad``
         (and skips those that have none)."""
-        return [p for o in self.optimizers for group in o.param_groups for p in group["params"]]
+        return parameters_of(self.optimizers)
 
     def _seen(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         if threading.get_ident() == self._thread and not any(
@@ -66,6 +66,31 @@ class Stepped:
             self.optimizers.append(optimizer)
             if self._kept is not None:
                 self._kept.add(optimizer)
+
+
+def parameters_of(optimizers: Iterable[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """The parameters of ``optimizers``, group by group."""
+    return [p for o in optimizers for group in o.param_groups for p in group["params"]]
+
+
+Grads = list[tuple[torch.Tensor, Any]]
+
+
+def grads_of(tensors: Iterable[Any]) -> Grads:
+    """Each of ``tensors`` that requires grad (once), with its ``.grad`` now."""
+    kept = {id(t): t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad}
+    return [(t, t.grad) for t in kept.values()]
+
+
+def put_back_grads(grads: Grads) -> None:
+    """Give each tensor the ``.grad`` :func:`grads_of` found (a capture's, or a
+    verifying eager run's, replaced it)."""
+    for t, grad in grads:
+        if t.grad is not grad:
+            try:
+                t.grad = grad
+            except RuntimeError:  # the tensor was reshaped meanwhile: drop its gradient
+                t.grad = None
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
@@ -321,7 +346,7 @@ class StepGuard:
 
     def parameters(self) -> list[torch.Tensor]:
         """The parameters of the guarded optimizers."""
-        return [p for o in self.optimizers() for g in o.param_groups for p in g["params"]]
+        return parameters_of(self.optimizers())
 
     def ok(self) -> bool:
         """True while every guarded optimizer is alive and as captured."""

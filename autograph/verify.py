@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from .flat import Flat
 from .replay import HELD
 from .returned import opened
+from .steps import grads_of, put_back_grads
 from .versions import set_versions, versions
 from .vocab import EagerReason, logger
 
@@ -186,8 +187,7 @@ def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> 
     # a whole step's .grad: the graph's tensors, which the eager run replaces (a
     # zero_grad setting them to None): put back, as the step's guard expects them
     steps = engine.watch.steps
-    grads = list({id(t): (t, t.grad) for t in (*engine.watch.tensors(), *steps.parameters())
-                  if t.requires_grad}.values()) if steps.active else []
+    grads = grads_of((*engine.watch.tensors(), *steps.parameters())) if steps.active else []
     written = _written(captured)  # and the optimizers' state (fused kernels leave its
     seen = {id(t) for t in written}  # version as it was)
     written += [t for t in steps.state_tensors() if id(t) not in seen]
@@ -200,9 +200,7 @@ def verified(engine: Any, entry: Any, run: Callable[[Any], Any], flat: Flat) -> 
     stats = engine.stats
     stats.verifications += 1
     if problem is None:
-        for t, grad in grads:
-            if t.grad is not grad:
-                t.grad = grad
+        put_back_grads(grads)
         engine.replayed(entry)
         return result
     stats.verify_failures += 1

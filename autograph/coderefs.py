@@ -210,6 +210,8 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             reads = _attribute_loads(code)
             out.append((_global_getter(glb, name), value))
             out += _namespace_values(value, reads.get(name, ()), reads, name)
+        elif _rebindable(value):  # a dict, list, array, type...: rebinding it is seen
+            out.append((_global_getter(glb, name), value))
     closure = (getattr(fn, "__closure__", None) or ()) if cells else ()
     for name, cell in zip(code.co_freevars, closure):
         try:
@@ -225,7 +227,17 @@ def _function_refs(fn: Any, code: types.CodeType, cells: bool = True
             reads = _attribute_loads(code)
             out.append((_cell_getter(cell), value))
             out += _namespace_values(value, reads.get(name, ()), reads, name)
+        elif _rebindable(value):
+            out.append((_cell_getter(cell), value))
     return out
+
+
+def _rebindable(value: Any) -> bool:
+    """A value a name holds that is compared by identity only (``CFG = {...}`` rebound
+    to another dict, a list, a numpy array, ``float`` for ``int``): what it holds is
+    not watched, but the name given another object is.  Not a module (``torch``, ``F``:
+    never rebound, and read by every forward) or a builtin the name does not hold."""
+    return value is not MISSING and not isinstance(value, types.ModuleType)
 
 
 def _namespace(value: Any) -> bool:
@@ -581,7 +593,7 @@ def _plain(value: Any) -> bool:
         _plain(v) for v in value)
 
 
-_PLAIN = (*_SCALARS, enum.Enum, torch.dtype, torch.device)
+_PLAIN = (*_SCALARS, enum.Enum, torch.dtype, torch.device, torch.memory_format, torch.layout)
 
 
 def _trackable(value: Any) -> bool:

@@ -9,6 +9,7 @@ call).  Every live engine is listed weakly here, for ``reset()``, ``stats()`` an
 from __future__ import annotations
 
 import functools
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -113,12 +114,21 @@ def make_module_engine(module: nn.Module, options: Options, fn: Callable[..., An
         if m is None:
             return False
         cls = type(m)
-        return (cls.forward is forward and cls.__call__ is _MODULE_CALL
+        return (cls.forward is forward and _plain_call(cls.__call__)
                 and cls._call_impl is _CALL_IMPL and "forward" not in vars(m)
                 and not m._forward_pre_hooks and not m._forward_hooks and not global_hooks())
 
     return make_engine(fn, options, type(module).__qualname__, roots, forward, True,
                        method=True, trusted=trusted)
+
+
+def _plain_call(call: Any) -> bool:
+    """``nn.Module``'s own ``__call__``, or a capture region's patch over it (open in
+    some thread: it passes the call's spelling on as it came)."""
+    if call is _MODULE_CALL:
+        return True
+    region = sys.modules.get("autograph.region")
+    return region is not None and region.passes_through(call, _MODULE_CALL)
 
 
 def _bound_modules(module: nn.Module) -> list[nn.Module]:

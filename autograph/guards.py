@@ -94,6 +94,7 @@ def _del_quietly(module: nn.Module, name: str) -> None:
 
 _getitem = operator.getitem
 _grad_enabled = torch.is_grad_enabled
+_requires_grad = operator.attrgetter("requires_grad")
 # One C++ pass comparing tensors' data pointers with expected ones (CUDA builds; the
 # same check CUDA graph trees make), else a Python pass.
 _ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
@@ -147,12 +148,18 @@ class Watch:
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._named_ptrs: list[tuple[torch.Tensor, int]] = []
+        # whether each watched tensor, then each named one, required grad at the last
+        # look (checked under grad mode only): a tensor frozen or unfrozen since changes
+        # what autograd records, which a graph does not follow (a whole step's
+        # ``.grad`` of a module outside the optimizer, a plain graph's missing history)
+        self._grad_flags: list[bool] = []
+        self._named_flags: list[bool] = []
         self._configs: list[tuple[Mapping[str, Any], dict[str, Any]]] = []  # (live, copy)
         self._values: list[Any] = []  # plain containers the modules hold, and copies
         self._value_copies: list[Any] = []
         self._owned = 0
         self._ids: list[int] = []
-        self._hidden: list[tuple[Any, int, int | None]] = []
+        self._hidden: list[tuple[Any, int, int | None, bool]] = []
         self.steps = StepGuard()  # optimizers stepped inside graphs (steps.py)
         # the position (in ``tensors()``) of one found requiring grad: no weak reference,
         # which ``torch.utils.swap_tensors`` (``.to()`` under the swap future) refuses
@@ -199,11 +206,12 @@ class Watch:
         self._refs = refs
         # a named tensor given other memory in place (``K.data = ...``, ``set_``) is the
         # same object at another address, which a graph does not follow
-        self._named_ptrs = [(v, v.data_ptr()) for _, v in refs if isinstance(v, torch.Tensor)]
+        self._take_named()
         self._configs = [(d, dict(d)) for d in config_dicts(modules.values())]
         self._values, self._value_copies = held_values(modules.values(), self._code)
         self._ptrs = self._current_ptrs()
         self._idents = list(map(id, map(_getitem, holders, names)))
+        self._grad_flags = list(map(_requires_grad, map(_getitem, holders, names)))
         self._all = list(range(len(self._ptrs)))
         # a method's own module runs no hooks of its own (its forward is called, not
         # the module); every other module does, the ones the code names included
@@ -235,9 +243,12 @@ class Watch:
                     return False
             elif list(map(_ptr, tensors)) != self._ptrs:
                 return False
-            # another object over the same memory matters where autograd records (its
-            # requires_grad, its .grad): under no_grad the graph reads the same memory
-            if _grad_enabled() and list(map(id, tensors)) != self._idents:
+            # another object over the same memory, or one frozen or unfrozen, matters
+            # where autograd records (its requires_grad, its .grad): under no_grad the
+            # graph reads the same memory
+            grad = _grad_enabled()
+            if grad and (list(map(id, tensors)) != self._idents
+                         or list(map(_requires_grad, tensors)) != self._grad_flags):
                 return False
         except Exception:  # noqa: BLE001 - a tensor gone or replaced by another object
             return False
@@ -247,13 +258,16 @@ class Watch:
         for t, ptr in self._named_ptrs:
             if t.data_ptr() != ptr:
                 return False
+        if grad and self._named_flags and list(map(
+                _requires_grad, (t for t, _ in self._named_ptrs))) != self._named_flags:
+            return False
         if self._configs and not self._configs_same():
             return False
         if self._values and not self._values_same():
             return False
         if self.steps.active and not self.steps.ok():
             return False
-        return not self._hidden or self._hidden_same()
+        return not self._hidden or self._hidden_same(grad)
 
     def _values_same(self) -> bool:
         """Whether the plain containers the modules hold (``held_values``) still hold
@@ -310,10 +324,14 @@ class Watch:
         self.marks_grad = notify.marks_grad(modules, self._own)
         return self.marks_grad and notify.marks_grad(modules, self._own, frozen=True)
 
-    def _hidden_same(self) -> bool:
-        for ref, ptr, version in self._hidden:
+    def _hidden_same(self, grad: bool = False) -> bool:
+        """Whether each hidden tensor is alive at its address and version (and, with
+        ``grad``, requires grad as it did)."""
+        for ref, ptr, version, flag in self._hidden:
             t = ref()
             if t is None or t.data_ptr() != ptr or (version is not None and t._version != version):
+                return False
+            if grad and t.requires_grad is not flag:
                 return False
         return True
 
@@ -327,9 +345,13 @@ class Watch:
         try:
             if any(not same(get(), value) for get, value in self._refs):
                 return False
+            # a tensor frozen or unfrozen: autograd records otherwise (warmups find how)
+            if list(map(_requires_grad, self.tensors())) != self._grad_flags or list(map(
+                    _requires_grad, (t for t, _ in self._named_ptrs))) != self._named_flags:
+                return False
         except Exception:  # noqa: BLE001 - a global gone: be conservative
             return False
-        return self._hidden_same()
+        return self._hidden_same(grad=True)
 
     def requires_grad(self) -> bool:
         """Whether a watched parameter or buffer requires grad (the one found last time
@@ -360,7 +382,7 @@ class Watch:
             except TypeError:  # pragma: no cover - tensors support weak references
                 continue
             version = t._version if t.device != device else None
-            self._hidden.append((ref, t.data_ptr(), version))
+            self._hidden.append((ref, t.data_ptr(), version, t.requires_grad))
 
     def forget_assignments(self) -> None:
         """Start noting the running call's assignments afresh."""
@@ -425,8 +447,7 @@ class Watch:
         n = self._owned
         if n:
             self._refs[-n:] = [(get, get()) for get, _ in self._refs[-n:]]
-            self._named_ptrs = [(v, v.data_ptr()) for _, v in self._refs
-                                if isinstance(v, torch.Tensor)]
+            self._take_named()
 
     def ref_values(self) -> list[Any]:
         """What the guarded names (globals, closure cells, class attributes, the
@@ -449,8 +470,13 @@ class Watch:
         """Take the values the guarded names hold now as the ones seen (after an eager
         run of a call that changes one)."""
         self._refs = [(get, get()) for get, _ in self._refs]
+        self._take_named()
+
+    def _take_named(self) -> None:
+        """Note the address and requires_grad of each tensor a guarded name holds."""
         self._named_ptrs = [(v, v.data_ptr()) for _, v in self._refs
                             if isinstance(v, torch.Tensor)]
+        self._named_flags = [t.requires_grad for t, _ in self._named_ptrs]
 
     def refs_moved(self) -> bool:
         """Whether a guarded name holds another value than the one seen."""

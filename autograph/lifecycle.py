@@ -471,19 +471,22 @@ def _host_random_state(device: torch.device, gens: tuple[Any, ...] = ()) -> tupl
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
             watch: Watch, inplace: tuple[int, ...], reuse: bool = False,
-            rng_free: bool = False, aliases: bool = True) -> Captured:
+            rng_free: bool = False, aliases: bool = True, records: bool = False) -> Captured:
     """Capture the call on static buffers (arguments at ``inplace`` at the caller's own
     address).  Nothing has run when it returns: the first replay produces the result.
     ``rng_free``: its warmup drew no random numbers; capture it without the device's
     generator (``Backend.capture``), or raise :class:`RandomFound` if it draws some.
     ``reuse``: the outputs are handed out, so the graph gets a pool of its own (in the
-    shared one, a later graph could place its outputs in memory this one writes)."""
+    shared one, a later graph could place its outputs in memory this one writes).
+    ``records``: a training graph's forward, whose outputs autograd records (else a
+    plain graph, which fails where an output requires grad)."""
     reached = watch.reach(fn)
     objects = _kept(watch, reached, flat)  # put back where the capture fails
     grads = _grads(watch, objects)
     try:
         captured = _capture(fn, flat, backend, device, watch, inplace, reached, objects,
-                            reuse=reuse, rng_free=rng_free, aliases=aliases)
+                            reuse=reuse, rng_free=rng_free, aliases=aliases,
+                            records=records)
         if any(grad is None and t.grad is not None for t, grad in grads):
             # a .grad made where there was none: the graph assigns it, where a later
             # call that finds it there adds to it (a step that zeroes none itself)
@@ -516,7 +519,7 @@ def _grads(watch: Watch, objects: Kept) -> Grads:
 
 def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
              watch: Watch, inplace: tuple[int, ...], reached: Reach, objects: Kept, *,
-             reuse: bool, rng_free: bool, aliases: bool) -> Captured:
+             reuse: bool, rng_free: bool, aliases: bool, records: bool) -> Captured:
     reuse = reuse and use_count is not None  # no use counts in this torch: clone
     if reuse:
         backend = OnPool(backend, backend.private_pool(device))
@@ -581,6 +584,10 @@ def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch
     _check(watch, [], host, device, gens)
     _check_held(held, restore=True)
     _check_objects(flat)
+    if not records:  # a plain graph: autograd records nothing leaving it (``warmup=0``:
+        # no warmup found a tensor read from elsewhere that requires grad)
+        _check_autograd([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
+                        out)
     changed = objects.changed()
     if changed:  # (put back by ``capture``)
         raise Uncapturable(EagerReason.ASSIGNS, changed)

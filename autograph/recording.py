@@ -68,10 +68,8 @@ def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backe
         if lifecycle.lock_timeouts() != timeouts and warmed.problem is None:
             warmed.problem = Uncapturable(EagerReason.CAPTURE_FAILED,
                                           lifecycle.WAITS_ON_THREADS)
-    if engine.trains and key.modes[0] and warmed.problem is not None \
-            and warmed.problem.reason is EagerReason.AUTOGRAD:
-        # called under grad mode, graphed for training: but nothing it takes requires grad
-        warmed.problem = Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, UNSEEN_GRAD)
+    if warmed.problem is not None:
+        warmed.problem = _unseen_grad(engine, key, warmed.problem)
     if (trains and warmed.problem is None and not lifecycle.requires_grad(warmed.out)
             and not flat.requires_grad()):
         # nothing autograd recorded leaves the call (and no argument gets a .grad,
@@ -232,7 +230,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
                 # after its parameters were replaced): warm up first, learning again
                 entry.direct, entry.runs = False, 0
                 return warm(engine, key, entry, flat, backend, device)
-            return _capture_failed(engine, entry, flat, exc)
+            return _capture_failed(engine, entry, flat, _unseen_grad(engine, key, exc))
         except BaseException as exc:  # the user's own error: it propagates, once
             stats.count_eager(EagerReason.CAPTURE_FAILED,
                               f"the call raised {type(exc).__name__}", warn=False)
@@ -296,6 +294,15 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         frozen = bool(key.modes[0]) and engine.trains and not trains
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start,
                      frozen)
+
+def _unseen_grad(engine: Engine, key: GraphKey, problem: Uncapturable) -> Uncapturable:
+    """``problem``, but where autograd records a call graphed for training although
+    nothing it takes requires grad (a tensor read from elsewhere does), why it runs
+    eagerly as such."""
+    if engine.trains and key.modes[0] and problem.reason is EagerReason.AUTOGRAD:
+        return Uncapturable(EagerReason.BACKWARD_UNSUPPORTED, UNSEEN_GRAD)
+    return problem
+
 
 def _sharing_state(captured: replay.Captured, flat: Flat, inplace: tuple[int, ...]
                    ) -> set[int]:

@@ -168,6 +168,12 @@ def _release() -> None:
             _original_call = None
 
 
+def passes_through(call: Any, module_call: Any) -> bool:
+    """Whether ``call`` is the region's patch of ``nn.Module.__call__`` put over
+    ``module_call`` (torch's own): the module is called as that would call it."""
+    return call is _call and _original_call is module_call
+
+
 def _depth() -> int:
     return getattr(_local, "depth", 0)  # type: ignore[no-any-return]
 

@@ -183,7 +183,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     # outputs cloned one by one: views of one copy returned by the autograd Function
     # would be views created inside a custom Function (in-place on them raises)
     base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
-                             rng_free=rng_free, aliases=False)
+                             rng_free=rng_free, aliases=False, records=True)
     if base.effects is not None:  # Trained's replay does not apply them
         raise Uncapturable(UNSUPPORTED, "the call advances a host counter of an argument "
                            "object (counters.py)")

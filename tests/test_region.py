@@ -430,3 +430,27 @@ def test_threads_calling_a_module_first_in_their_regions_share_one_engine(standi
     for t in threads:
         t.join(timeout=60)
     assert [len(r.stats()) for r in regions] == [1, 1, 1, 1], [r.stats() for r in regions]
+
+
+def test_keyword_and_positional_spellings_share_a_key_in_a_region():
+    """``m(x, mask, 2.0)`` and ``m(x, mask=mask, scale=2.0)`` are one key, in a region
+    as for ``graphed(m)``: the region's patch of ``nn.Module.__call__`` passes the
+    spelling on as torch's own does (they were two keys, two captures)."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None, scale=1.0):
+            y = self.lin(x) * scale
+            return y if mask is None else y * mask
+
+    m, x, mask = Masked(), torch.randn(3, 4), torch.rand(3, 4)
+    region = autograph.capture_region()
+    with torch.no_grad():
+        for i in range(8):
+            with region:
+                out = m(x, mask=mask, scale=2.0) if i % 2 else m(x, mask, 2.0)
+            torch.testing.assert_close(out, m.lin(x) * 2.0 * mask)
+    s = one(region.stats())
+    assert s["captures"] == 1 and s["replays"] == 5, s

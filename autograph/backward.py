@@ -288,6 +288,9 @@ class Trained(replay.Captured):
                 versions.bump(self.bump_after)
             if self.single is not None:
                 return outs[0]
+            # each output a node of its own, as eager's separate operators make them: a
+            # hook on an output the loss does not use is not called (with None) then
+            outs = [o.view_as(o) if o.requires_grad else o for o in outs]
             flat = flat_box[0]
             for k, j in enumerate(pool_idx):
                 flat[j] = outs[k]

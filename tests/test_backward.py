@@ -2475,3 +2475,37 @@ def check_a_forward_marking_its_argument_runs_eagerly(device: str = "cpu") -> No
 
 def test_a_forward_marking_its_argument_runs_eagerly(standin):
     check_a_forward_marking_its_argument_runs_eagerly()
+
+
+def check_a_hook_on_an_output_the_loss_does_not_use_is_not_called(device):
+    """Two outputs (policy logits, value), a tensor hook on the logits, a loss on the
+    value only: eager never calls the hook; a replayed call called it with None (the
+    outputs were one autograd node), so a hook reading the gradient raised."""
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.b(h), self.c(h)
+
+    torch.manual_seed(0)
+    eager = Heads().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    x = torch.randn(2, 4, device=device)
+    for _ in range(5):
+        for m in (eager, g):
+            m.zero_grad()
+            logits, value = m(x)
+            logits.register_hook(lambda grad: grad.clamp(-1, 1))
+            value.pow(2).sum().backward()
+        for p, q in zip(eager.parameters(), g.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad)
+    assert autograph.stats(g)["backward_replays"] >= 2
+
+
+def test_a_hook_on_an_output_the_loss_does_not_use_is_not_called(standin):
+    check_a_hook_on_an_output_the_loss_does_not_use_is_not_called("cpu")

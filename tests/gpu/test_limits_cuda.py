@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ..test_backward import (
+    check_a_hook_on_an_output_the_loss_does_not_use_is_not_called,
     check_a_bidirectional_lstm_trains_with_graphs,
     check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
@@ -853,3 +854,7 @@ def test_a_worker_replaying_while_a_waiting_call_holds_the_lock_does_not_spin():
 
 def test_a_gradient_dropped_outside_an_accumulating_step():
     check_a_gradient_dropped_outside_an_accumulating_step("cuda")
+
+
+def test_a_hook_on_an_output_the_loss_does_not_use_is_not_called():
+    check_a_hook_on_an_output_the_loss_does_not_use_is_not_called("cuda")

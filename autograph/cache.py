@@ -341,10 +341,13 @@ class GraphCache:
     def clear(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments; with
         ``keep_known``, remember it and which keys held a graph that may be captured
-        again without warming up (``known``)."""
+        again without warming up (``known``), those of earlier such invalidations too
+        (``.half()`` then ``.float()``: the float keys were dropped at the first)."""
         with self.lock:
             known = {k for k, e in self.entries.items() if e.graph is not None and e.repeat}
             self.drop(list(self.entries))
+            if keep_known and len(self.known) < 4 * self.options.max_graphs:
+                known |= self.known
             self.known = known if keep_known else set()
             self.lasts.clear()
             if not keep_known:

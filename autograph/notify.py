@@ -13,6 +13,7 @@ directly (``ModuleList.insert``, ``ModuleDict.clear``) report those changes.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 import weakref
@@ -55,7 +56,16 @@ def current(module: nn.Module, name: str) -> Any:
 
 
 def _changes(module: nn.Module, name: str, value: Any) -> bool:
-    return not same(value, current(module, name))
+    old = current(module, name)
+    if old is _MISSING and hasattr(type(inspect.getattr_static(module, name, None)), "__set__"):
+        # a property with a setter (transformers' ``kernels_mode``, set by every
+        # ``eval()``): set to what it reads, no change; what a setter writes on the
+        # module comes through here again on its own
+        try:
+            old = getattr(module, name)
+        except Exception:  # noqa: BLE001 - a getter that fails: a change
+            return True
+    return not same(value, old)
 
 
 def _swap(module: nn.Module, name: str, value: Any) -> bool:

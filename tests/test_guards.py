@@ -2341,3 +2341,42 @@ def test_dropped_wrappers_leave_no_watch_entries(standin):
     gc.collect()
     serve()
     assert sum(1 for ws in notify.watched.values() if not ws) <= 3
+
+
+class _Moded(nn.Module):
+    """A module with a property whose setter stores the mode (transformers'
+    ``kernels_mode``, set by every ``eval()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._mode = "a"
+
+    @property
+    def mode(self):
+        return self._mode
+
+    @mode.setter
+    def mode(self, value):
+        self._mode = value
+
+    def forward(self, x):
+        return self.lin(x) * (2.0 if self.mode == "b" else 1.0)
+
+
+def test_a_property_set_to_the_value_it_holds_keeps_the_graphs(standin):
+    """Setting a property to what it reads before every call (``SentenceTransformer``
+    calls ``eval()`` per ``encode``) dropped every graph at every call; a new value
+    still changes the result."""
+    m = _Moded()
+    g = autograph.graphed(m)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(6):
+            m.mode = "a"
+            torch.testing.assert_close(g(x), m.lin(x))
+        s = autograph.stats(g)
+        assert s["invalidations"] == 0 and s["replays"] == 3, s
+        m.mode = "b"
+        for _ in range(4):
+            torch.testing.assert_close(g(x), 2.0 * m.lin(x))

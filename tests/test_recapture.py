@@ -44,6 +44,22 @@ def test_half_recaptures_without_warmup(standin):
     assert autograph.stats(g)["replays"] == 4
 
 
+def test_back_to_the_first_dtype_recaptures_without_warmup(standin):
+    """``.to(bfloat16)`` then ``.float()``, the inputs following: the float key, dropped
+    at the first invalidation, is still known at the second (it warmed up again)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+    g = autograph.graphed(m, warmup=2)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16, torch.float32):
+            m.to(dtype)
+            for _ in range(3):
+                torch.testing.assert_close(g(x.to(dtype)), m(x.to(dtype)))
+    assert _counts(g) == (3, 4, 2)  # the float key's second time: captured at once
+    assert autograph.stats(g)["replays"] == 2
+
+
 def test_replaced_parameters_recapture_without_warmup(standin):
     torch.manual_seed(0)
     m = Net().eval()

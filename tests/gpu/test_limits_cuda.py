@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from ..test_backward import (
-    check_a_hook_on_an_output_the_loss_does_not_use_is_not_called,
     check_a_bidirectional_lstm_trains_with_graphs,
     check_a_detached_alias_returned_first_keeps_the_gradient,
     check_a_detached_output_aliases_its_base,
     check_a_forward_marking_its_argument_runs_eagerly,
     check_a_gradient_kept_through_its_storage_is_not_overwritten,
+    check_a_hook_on_an_output_the_loss_does_not_use_is_not_called,
     check_a_leaf_made_from_an_argument_in_the_call_is_trained,
     check_a_leaf_the_call_makes_and_returns_keeps_its_grad,
     check_a_parameter_frozen_between_forward_and_backward,

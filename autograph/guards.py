@@ -148,11 +148,9 @@ class Watch:
         self._all: list[int] = []  # every index of _ptrs, for the C++ check
         self._refs: list[tuple[Callable[[], Any], Any]] = []
         self._named_ptrs: list[tuple[torch.Tensor, int]] = []
-        # whether each watched tensor, then each named one, required grad at the last
-        # look (checked under grad mode only): a tensor frozen or unfrozen since changes
-        # what autograd records, which a graph does not follow (a whole step's
-        # ``.grad`` of a module outside the optimizer, a plain graph's missing history)
-        self._grad_flags: list[bool] = []
+        # whether each named tensor required grad at the last look (checked under grad
+        # mode only): one frozen or unfrozen since changes what autograd records, which
+        # a graph does not follow (parameters: :meth:`grad_flags`, per graph)
         self._named_flags: list[bool] = []
         self._configs: list[tuple[Mapping[str, Any], dict[str, Any]]] = []  # (live, copy)
         self._values: list[Any] = []  # plain containers the modules hold, and copies
@@ -211,7 +209,6 @@ class Watch:
         self._values, self._value_copies = held_values(modules.values(), self._code)
         self._ptrs = self._current_ptrs()
         self._idents = list(map(id, map(_getitem, holders, names)))
-        self._grad_flags = list(map(_requires_grad, map(_getitem, holders, names)))
         self._all = list(range(len(self._ptrs)))
         # a method's own module runs no hooks of its own (its forward is called, not
         # the module); every other module does, the ones the code names included
@@ -243,12 +240,12 @@ class Watch:
                     return False
             elif list(map(_ptr, tensors)) != self._ptrs:
                 return False
-            # another object over the same memory, or one frozen or unfrozen, matters
-            # where autograd records (its requires_grad, its .grad): under no_grad the
-            # graph reads the same memory
+            # another object over the same memory matters where autograd records (its
+            # requires_grad, its .grad): under no_grad the graph reads the same memory
+            # (a parameter frozen or unfrozen is each graph's own check: a GAN's
+            # discriminator toggled every step keeps a graph per state)
             grad = _grad_enabled()
-            if grad and (list(map(id, tensors)) != self._idents
-                         or list(map(_requires_grad, tensors)) != self._grad_flags):
+            if grad and list(map(id, tensors)) != self._idents:
                 return False
         except Exception:  # noqa: BLE001 - a tensor gone or replaced by another object
             return False
@@ -345,13 +342,18 @@ class Watch:
         try:
             if any(not same(get(), value) for get, value in self._refs):
                 return False
-            # a tensor frozen or unfrozen: autograd records otherwise (warmups find how)
-            if list(map(_requires_grad, self.tensors())) != self._grad_flags or list(map(
-                    _requires_grad, (t for t, _ in self._named_ptrs))) != self._named_flags:
+            # a named tensor frozen or unfrozen: autograd records otherwise (warmups
+            # find how)
+            if list(map(_requires_grad, (t for t, _ in self._named_ptrs))) != \
+                    self._named_flags:
                 return False
         except Exception:  # noqa: BLE001 - a global gone: be conservative
             return False
         return self._hidden_same(grad=True)
+
+    def grad_flags(self) -> list[bool]:
+        """Whether each watched parameter and buffer requires grad now."""
+        return list(map(_requires_grad, self.tensors()))
 
     def requires_grad(self) -> bool:
         """Whether a watched parameter or buffer requires grad (the one found last time

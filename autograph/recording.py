@@ -39,8 +39,9 @@ MOVED_AWAY = ("its entry was dropped (a reset, an eviction) or moved to another 
 GIVE_UP_FAILURES = 3
 UNSEEN_GRAD = ("an output requires grad, but no argument or parameter does (a leaf the "
                "call makes, or a tensor requiring grad read from elsewhere)")
-# a plain graph under grad mode whose parameters require grad again (replay.unless_unfrozen)
-UNFROZEN = (EagerReason.WARMUP, "a parameter requires grad again: capturing again")
+# a plain graph under grad mode whose parameters' requires_grad changed
+# (replay.unless_flags_changed)
+UNFROZEN = (EagerReason.WARMUP, "a parameter's requires_grad changed: capturing again")
 
 
 def warm(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Backend,
@@ -291,9 +292,9 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         entry.repeat = not flat.objects and engine.options.min_speedup is None and not trains
         if flat.objects and engine.options.min_speedup is None and not trains:
             _learned(engine.cache, key)
-        frozen = bool(key.modes[0]) and engine.trains and not trains
+        plain_under_grad = bool(key.modes[0]) and not isinstance(captured, Trained)
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start,
-                     frozen)
+                     plain_under_grad)
 
 def _unseen_grad(engine: Engine, key: GraphKey, problem: Uncapturable) -> Uncapturable:
     """``problem``, but where autograd records a call graphed for training although
@@ -332,7 +333,7 @@ def _learned(cache: GraphCache, key: GraphKey) -> None:
 
 
 def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured, result: Any,
-          nbytes: int, seconds: float, frozen: bool = False) -> Any:
+          nbytes: int, seconds: float, plain_under_grad: bool = False) -> Any:
     stats = engine.stats
     budget = engine.options.max_graph_memory
     if budget is not None and nbytes > budget:
@@ -352,8 +353,8 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
     entry.graph = captured
     entry.syncs = captured.syncs
     run = replay.versioned(replay.in_inference_mode(captured.runner(), captured), captured)
-    if frozen:  # a plain graph under grad mode: until a parameter requires grad again
-        run = replay.unless_unfrozen(run, captured, engine.watch, UNFROZEN)
+    if plain_under_grad:  # until a parameter is frozen or unfrozen
+        run = replay.unless_flags_changed(run, captured, engine.watch, UNFROZEN)
     if engine.options.min_speedup is not None:
         run = gate.trial(engine.cache, entry, run, engine.options.min_speedup, stats.name)
     entry.run = run

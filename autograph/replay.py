@@ -90,7 +90,7 @@ class Captured:
         self.footprint = 0  # peak bytes of the tensors the capture made (footprint.py)
         # host counters of object arguments: filled before, advanced after a replay
         self.effects: Any = None
-        # why the runner returned HELD, when not outputs="reuse" (see ``unless_unfrozen``)
+        # why the runner returned HELD, when not outputs="reuse" (see ``unless_flags_changed``)
         self.held_reason: Any = None
         self.rotation: Any = None  # rotation.Rotation: outputs without a host copy
         # container arguments the call changes and returns (containers.Sync)
@@ -259,24 +259,26 @@ class Captured:
         return run
 
 
-def unless_unfrozen(run: Callable[[Any], Any], captured: Captured, watch: Any,
-                    reason: Any) -> Callable[[Any], Any]:
-    """``run`` for a plain graph captured under grad mode while nothing required grad
-    (a frozen model called without ``no_grad``): once a parameter or buffer that
-    ``watch`` guards requires grad again (``requires_grad_()`` calls no hook), autograd
-    must record the call, so the runner returns :data:`HELD` (the call runs eagerly,
-    counted as ``reason``) and marks the watch dirty: the next call drops the graphs and
-    captures a training graph."""
-    requires_grad = watch.requires_grad
+def unless_flags_changed(run: Callable[[Any], Any], captured: Captured, watch: Any,
+                         reason: Any) -> Callable[[Any], Any]:
+    """``run`` for a plain graph captured under grad mode (a frozen model called without
+    ``no_grad``, a whole training step): once a parameter or buffer that ``watch``
+    guards requires grad otherwise than at the capture (``requires_grad_()`` calls no
+    hook), autograd records the call otherwise (an output needs a history, a module
+    outside the optimizer a ``.grad``), so the runner returns :data:`HELD` (the call
+    runs eagerly, counted as ``reason``) and marks the watch dirty: the next call drops
+    the graphs and captures again."""
+    flags = watch.grad_flags()
+    now = watch.grad_flags
 
-    def run_frozen(leaves: Any) -> Any:
-        if requires_grad():
+    def run_checked(leaves: Any) -> Any:
+        if now() != flags:
             watch.dirty = True
             captured.held_reason = reason
             return HELD
         return run(leaves)
 
-    return run_frozen
+    return run_checked
 
 
 def in_inference_mode(run: Callable[[Any], Any], captured: Captured) -> Callable[[Any], Any]:

@@ -203,3 +203,38 @@ def check_names_rebound_to_containers_arrays_and_types(device: str):
 
 def test_names_rebound_to_containers_arrays_and_types(standin):
     check_names_rebound_to_containers_arrays_and_types("cpu")
+
+
+def check_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs(device: str):
+    """A GAN step: the discriminator trained, then frozen (``requires_grad_(False)``)
+    for the generator's update, every step.  Gradients equal eager's, and both of its
+    states keep their graphs (a check of the flags that dropped every graph at every
+    switch left it without replays)."""
+    def run(graph: bool):
+        torch.manual_seed(0)
+        gen = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)).to(device)
+        disc = nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1)).to(device)
+        g, d = (autograph.graphed(gen), autograph.graphed(disc)) if graph else (gen, disc)
+        og = torch.optim.SGD(gen.parameters(), lr=0.1)
+        od = torch.optim.SGD(disc.parameters(), lr=0.1)
+        for _ in range(8):
+            z, real = torch.randn(16, 4, device=device), torch.randn(16, 4, device=device)
+            disc.requires_grad_(True)
+            od.zero_grad()
+            (d(real).mean() - d(g(z).detach()).mean()).backward()
+            od.step()
+            disc.requires_grad_(False)
+            og.zero_grad()
+            (-d(g(z)).mean()).backward()
+            og.step()
+        return [p.detach() for p in (*gen.parameters(), *disc.parameters())], d
+
+    (want, _), (got, d) = run(False), run(True)
+    for a, b in zip(want, got):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    s = autograph.stats(d)
+    assert s["replays"] >= 12 and s["invalidations"] == 0, s
+
+
+def test_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs(standin):
+    check_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs("cpu")

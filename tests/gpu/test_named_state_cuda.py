@@ -9,6 +9,7 @@ import torch
 from ..test_named_state import (
     WHERE,
     check_a_capture_without_warmup_reading_a_tensor_that_requires_grad,
+    check_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs,
     check_a_named_tensor_unfrozen_after_capture_gets_its_gradient,
     check_a_training_graph_reading_a_named_tensor_unfrozen,
     check_a_whole_step_after_a_tensor_outside_its_optimizer_is_unfrozen,
@@ -37,3 +38,7 @@ def test_a_capture_without_warmup_reading_a_tensor_that_requires_grad():
 
 def test_names_rebound_to_containers_arrays_and_types():
     check_names_rebound_to_containers_arrays_and_types("cuda")
+
+
+def test_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs():
+    check_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs("cuda")

@@ -44,6 +44,13 @@ def _reader(where: str, w: torch.Tensor, device: str):
     return Scale().to(device)
 
 
+def _all_close(want, got):
+    """Each of ``got`` is a tensor (a gradient that eager gives) equal to ``want``'s."""
+    for a, b in zip(want, got):
+        assert b is not None
+        torch.testing.assert_close(a, b)
+
+
 def check_a_named_tensor_unfrozen_after_capture_gets_its_gradient(where: str, device: str):
     """Captured under grad mode while the tensor it reads requires no grad (a plain
     graph), then ``w.requires_grad_()``: the call must record autograd as eager does."""
@@ -101,9 +108,7 @@ def check_a_training_graph_reading_a_named_tensor_unfrozen(device: str):
         return w.grad, model.c.grad, model.lin.weight.grad, f
 
     want, got = run(False), run(True)
-    for a, b in zip(want[:3], got[:3]):
-        assert b is not None
-        torch.testing.assert_close(a, b)
+    _all_close(want[:3], got[:3])
     assert autograph.stats(got[3])["backward_replays"] >= 1
 
 
@@ -139,9 +144,7 @@ def check_a_whole_step_after_a_tensor_outside_its_optimizer_is_unfrozen(device: 
 
     want, got = run(False), run(True)
     torch.testing.assert_close(torch.stack(got[0]), torch.stack(want[0]))
-    for a, b in zip(want[1:4], got[1:4]):
-        assert b is not None
-        torch.testing.assert_close(a, b)
+    _all_close(want[1:4], got[1:4])
     assert autograph.stats(got[4])["replays"] >= 1
 
 

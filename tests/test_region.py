@@ -436,16 +436,9 @@ def test_keyword_and_positional_spellings_share_a_key_in_a_region():
     """``m(x, mask, 2.0)`` and ``m(x, mask=mask, scale=2.0)`` are one key, in a region
     as for ``graphed(m)``: the region's patch of ``nn.Module.__call__`` passes the
     spelling on as torch's own does (they were two keys, two captures)."""
-    class Masked(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
+    from .test_usage import TwoInputs
 
-        def forward(self, x, mask=None, scale=1.0):
-            y = self.lin(x) * scale
-            return y if mask is None else y * mask
-
-    m, x, mask = Masked(), torch.randn(3, 4), torch.rand(3, 4)
+    m, x, mask = TwoInputs(), torch.randn(3, 4), torch.rand(3, 4)
     region = autograph.capture_region()
     with torch.no_grad():
         for i in range(8):

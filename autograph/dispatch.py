@@ -79,6 +79,9 @@ MARKS_GRAD = ("transformers' gradient-checkpointing hook on the input embeddings
               "their output as requiring grad (graphed past where autograd records nothing)")
 
 
+CHURN_WARNING = 8  # invalidations in a row without a replay, before a warning
+
+
 class Engine:
     """Graphs of one callable (a function, or one module instance's forward).
 
@@ -126,6 +129,8 @@ class Engine:
         # calls of other kinds (a generate switched to a static cache) try again
         self._given_up_kinds: set[Any] = set()
         self.failures = 0  # keys given up after a failed capture
+        self._churn = 0  # invalidations in a row with no replay between (``invalidate``)
+        self._replays_seen = -1
         self._fresh = 0  # new keys since the last replay or capture
 
     # -- the call ----------------------------------------------------------------------
@@ -397,9 +402,19 @@ class Engine:
         self.failures = self._fresh = 0
 
     def invalidate(self) -> None:
-        self.stats.invalidations += 1
-        logger.debug("%s: module state changed, dropping %d graphs", self.stats.name,
-                     self.stats.graphs)
+        stats = self.stats
+        stats.invalidations += 1
+        logger.debug("%s: module state changed, dropping %d graphs", stats.name, stats.graphs)
+        # dropped again before any replay: state that changes between every two calls
+        # (a global rebuilt per step); said once, as the eager calls count as warmups
+        self._churn = self._churn + 1 if stats.replays == self._replays_seen else 0
+        self._replays_seen = stats.replays
+        if self._churn == CHURN_WARNING:
+            logger.warning("%s: the graphs were dropped %d times in a row without a replay "
+                           "between: something the call reads (a parameter, an attribute, a "
+                           "global it names) changes between calls, so every call warms up "
+                           "eagerly; keep it fixed, or pass it as an argument",
+                           stats.name, CHURN_WARNING)
         self.reset(keep_known=self.watch.moved_only())  # same behaviour: no new warmup
         self.watch.refresh()
 

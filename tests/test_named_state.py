@@ -241,3 +241,18 @@ def check_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs(device
 
 def test_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs(standin):
     check_a_discriminator_frozen_and_unfrozen_every_step_keeps_its_graphs("cpu")
+
+
+def test_a_global_rebuilt_before_every_call_is_warned_of(standin, caplog):
+    """``CFG = {...}`` rebuilt before each call drops the graphs every time (correct,
+    eager); after a few in a row without a replay the log says so, once."""
+    ns: dict = {}
+    exec("def f(x):\n    return x * CFG['scale']", ns)  # noqa: S102 - a module's global
+    f = autograph.graphed(ns["f"])
+    x = torch.ones(3)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="autograph"):
+        for i in range(20):
+            ns["CFG"] = {"scale": float(i)}
+            torch.testing.assert_close(f(x), x * float(i))
+    warned = [r for r in caplog.records if "without a replay" in r.getMessage()]
+    assert len(warned) == 1 and autograph.stats(f)["replays"] == 0

@@ -82,8 +82,9 @@ class Flat:
             try:
                 after, again = object_key(self.leaves[pos])
                 after = finish(after, again, device)
-            except Uncapturable as exc:
-                return exc.detail or "an argument object can no longer be keyed"
+            except Uncapturable as exc:  # (its reason is not this call's)
+                why = f" ({exc.detail})" if exc.detail else ""
+                return f"the call changed an argument object so that it can no longer be keyed{why}"
             problem = objects_changes(before, after, again)
             if problem:
                 return problem

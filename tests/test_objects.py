@@ -1219,3 +1219,29 @@ def check_values_argument_walks_used_to_miss(device="cpu"):
 
 def test_values_argument_walks_used_to_miss(standin):
     check_values_argument_walks_used_to_miss()
+
+
+
+def test_an_object_no_longer_keyable_after_the_call_is_said_to_be_changed(standin):
+    """Under grad mode a decode loop passes a fresh ``DynamicCache`` that the call fills
+    with tensors requiring grad: the eager count ``assigns_attribute`` named the keying
+    error alone ("... requires grad", ``backward_unsupported``'s words), not that the
+    call changed the object."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=64, max_position_embeddings=128)
+    g = autograph.graphed(transformers.LlamaForCausalLM(cfg).eval())
+    for _ in range(2):
+        ids = torch.randint(3, 96, (2, 6))
+        mask, pos = torch.ones_like(ids), torch.arange(6)
+        cache = transformers.DynamicCache(config=cfg)
+        for _ in range(3):
+            out = g(input_ids=ids, attention_mask=mask, past_key_values=cache,
+                    cache_position=pos, use_cache=True)
+            ids = out.logits[:, -1:].argmax(-1)
+            mask, pos = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1), pos[-1:] + 1
+    details = autograph.stats(g)["eager_details"].get("assigns_attribute", {})
+    assert details and all("changed an argument object" in d for d in details
+                           if "requires grad" in d), details

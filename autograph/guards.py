@@ -255,8 +255,7 @@ class Watch:
         for t, ptr in self._named_ptrs:
             if t.data_ptr() != ptr:
                 return False
-        if grad and self._named_flags and list(map(
-                _requires_grad, (t for t, _ in self._named_ptrs))) != self._named_flags:
+        if grad and self._named_flags and self._named_flags_changed():
             return False
         if self._configs and not self._configs_same():
             return False
@@ -344,12 +343,15 @@ class Watch:
                 return False
             # a named tensor frozen or unfrozen: autograd records otherwise (warmups
             # find how)
-            if list(map(_requires_grad, (t for t, _ in self._named_ptrs))) != \
-                    self._named_flags:
+            if self._named_flags_changed():
                 return False
         except Exception:  # noqa: BLE001 - a global gone: be conservative
             return False
         return self._hidden_same(grad=True)
+
+    def _named_flags_changed(self) -> bool:
+        """Whether a named tensor requires grad otherwise than at the last look."""
+        return [t.requires_grad for t, _ in self._named_ptrs] != self._named_flags
 
     def grad_flags(self) -> list[bool]:
         """Whether each watched parameter and buffer requires grad now."""

@@ -586,8 +586,7 @@ def _capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch
     _check_objects(flat)
     if not records:  # a plain graph: autograd records nothing leaving it (``warmup=0``:
         # no warmup found a tensor read from elsewhere that requires grad)
-        _check_autograd([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)],
-                        out)
+        _check_autograd(_tensor_leaves(out), out)
     changed = objects.changed()
     if changed:  # (put back by ``capture``)
         raise Uncapturable(EagerReason.ASSIGNS, changed)

@@ -296,6 +296,7 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
         return _keep(engine, key, entry, captured, result, nbytes, time.perf_counter() - start,
                      plain_under_grad)
 
+
 def _unseen_grad(engine: Engine, key: GraphKey, problem: Uncapturable) -> Uncapturable:
     """``problem``, but where autograd records a call graphed for training although
     nothing it takes requires grad (a tensor read from elsewhere does), why it runs
@@ -368,6 +369,7 @@ def _keep(engine: Engine, key: GraphKey, entry: Entry, captured: replay.Captured
                      key.describe(), seconds * 1e3, nbytes / 2**20)
     stats.count_capture()
     return result
+
 
 STATE_MADE_AGAIN = ("each capture makes a .grad or optimizer state that was not there "
                     "(dropped outside the step, as zero_grad() there does): a graph would "

@@ -168,8 +168,8 @@ class Trained(replay.Captured):
 
     __slots__ = ("watch", "stats", "spec", "leaf", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
-                 "spill_set", "owner", "held_reason", "want_backward", "backwards", "single",
-                 "recompute", "unsupported",
+                 "spill_set", "owner", "held_reason", "diff_set", "want_backward",
+                 "backwards", "single", "recompute", "unsupported",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
                  "bump_after", "views", "bumps_held", "spliced", "flat", "needs")
 
@@ -204,6 +204,7 @@ class Trained(replay.Captured):
         pooled = [flat_out[j] for j in self.pool_idx]
         self.diff = [k for k, t in enumerate(pooled) if t.requires_grad]
         self.nondiff = [k for k, t in enumerate(pooled) if not t.requires_grad]
+        self.diff_set = frozenset(self.diff)
         self.static_diff = [pooled[k] for k in self.diff]  # with the captured grad_fn
         # one tensor out, in the pool: no flattening per call (not one object around it);
         # handed out as a dense clone, a tensor of its own (a view made inside the
@@ -445,7 +446,13 @@ class Trained(replay.Captured):
         run eagerly.  Outputs the loss does not use (autograd passes None) take no part,
         as in eager mode: a zero gradient through their branch could make NaN (a
         ``sqrt`` at 0) and give targets only they reach a gradient."""
-        wanted = [grads[k] for k in self.diff]
+        diff = self.diff
+        if len(diff) == 1:  # one differentiable output (the usual loss): no set to find
+            g = grads[diff[0]]
+            if g is not None:
+                call.done = self.diff_set if fresh else call.done | self.diff_set
+                return self._backward(call, [g], _FIRST, eager=_functorch_active())
+        wanted = [grads[k] for k in diff]
         used = tuple(k for k, g in enumerate(wanted) if g is not None)
         # the outputs backpropagated since what the call saved was last at hand (a
         # backward that found it may have freed it, ``retain_graph`` or not)
@@ -484,6 +491,7 @@ class Trained(replay.Captured):
 
 
 MAX_OUTPUT_SETS = 4  # sets of used outputs with backward graphs, per training graph
+_FIRST = (0,)
 
 
 class _Replay(torch.autograd.Function):

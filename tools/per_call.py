@@ -1,8 +1,9 @@
 """Per-call microseconds of a tiny MLP (4x256, batch 1, under ``no_grad`` as ``bench``)
 for the autograph found on ``PYTHONPATH``, against a hand-written CUDA graph in the
 same process.  Besides the difference of the medians it prints the median of the
-per-round differences ("paired": each round times every method back to back, so the
-host's drift between rounds cancels).
+per-round differences ("paired": each round times every method back to back, in an
+order that turns from round to round, so the host's drift between rounds cancels), and
+the same for a second hand-written graph (the control: what the host lets it resolve).
 
 Run it for two checkouts in turn to compare them on one machine (issue 11's "before and
 after"): each process prints one JSON line with the medians of rounds interleaved across
@@ -54,8 +55,8 @@ def hand_graph(model, x):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--label", default="")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=250)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = mlp().cuda().eval()
@@ -63,6 +64,9 @@ def main():
     with torch.no_grad():
         reference = model(inputs[0])
         methods = {"hand": hand_graph(model, inputs[0]),
+                   # a second hand-written graph, timed like the others: its difference
+                   # from the first is what the measurement can resolve on this host
+                   "hand (control)": hand_graph(model, inputs[0]),
                    # a function: given the module, it would replace the module's forward
                    "make_graphed_callables": torch.cuda.make_graphed_callables(
                        lambda x: model(x), (inputs[0].clone(),))}
@@ -77,8 +81,11 @@ def main():
             for x in inputs[:5]:
                 step(x)
             torch.testing.assert_close(step(inputs[0]), reference)
-        for _ in range(args.rounds):
-            for name, step in methods.items():
+        order = list(methods)
+        for r in range(args.rounds):
+            # the order turns each round: no method always follows the same one
+            for name in order[r % len(order):] + order[:r % len(order)]:
+                step = methods[name]
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 for x in inputs:
@@ -87,7 +94,8 @@ def main():
                 samples[name].append((time.perf_counter() - start) / len(inputs) * 1e6)
     medians = {name: round(statistics.median(s), 2) for name, s in samples.items()}
     replays = autograph.stats(methods["autograph"])["replays"]
-    pairs = {"autograph - hand": ("autograph", "hand"),
+    pairs = {"control - hand": ("hand (control)", "hand"),
+             "autograph - hand": ("autograph", "hand"),
              "reuse - make_graphed_callables": ("reuse", "make_graphed_callables")}
     paired = {f"{label} (paired)": round(statistics.median(
         a - b for a, b in zip(samples[x], samples[y])), 2)

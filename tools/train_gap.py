@@ -75,12 +75,80 @@ def runtime_calls(made, cases, steps=50):
             print(f"trace {c:14s} {m:24s} device {device / steps:6.1f} µs/step; {text}")
 
 
+def kernels(made, xs, ys, steps=20, top=40):
+    """Per method, the device work of ``steps`` fresh-input steps grouped by kernel
+    name (count and device µs per step), then each autograph method's difference from
+    ``make_graphed_callables``: where extra device time comes from."""
+    per = {}
+    for m, (forward, opt) in made.items():
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for xi, yi in list(zip(xs, ys))[:steps]:
+                step(forward, opt, xi, yi)
+            torch.cuda.synchronize()
+        rows = {}
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            n, t = rows.get(e.name, (0, 0.0))
+            rows[e.name] = (n + 1, t + e.device_time)
+        per[m] = {k: (n / steps, t / steps) for k, (n, t) in rows.items()}
+        total = sum(t for _, t in per[m].values())
+        count = sum(n for n, _ in per[m].values())
+        print(f"kernels {m}: {count:.1f} per step, {total:.1f} device µs per step")
+        for k, (n, t) in sorted(per[m].items(), key=lambda kv: -kv[1][1])[:top]:
+            print(f"   {n:5.1f}x {t:7.2f} µs  {k[:110]}")
+    base = per["make_graphed_callables"]
+    for m in per:
+        if m == "make_graphed_callables":
+            continue
+        print(f"kernels {m} minus make_graphed_callables (count, µs per step):")
+        names = set(per[m]) | set(base)
+        diff = [(k, per[m].get(k, (0, 0))[0] - base.get(k, (0, 0))[0],
+                 per[m].get(k, (0, 0))[1] - base.get(k, (0, 0))[1]) for k in names]
+        for k, dn, dt in sorted(diff, key=lambda r: -abs(r[2]))[:top]:
+            if abs(dn) > 0.01 or abs(dt) > 0.5:
+                print(f"   {dn:+5.1f}x {dt:+7.2f} µs  {k[:110]}")
+
+
+def host_diff(made, xs, ys, steps=50, top=30):
+    """Per method, every host event of ``steps`` fresh-input steps (torch operators and
+    CUDA runtime calls: count and own host µs per step), as each autograph method's
+    difference from ``make_graphed_callables``: which calls its extra host time is in."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    per = {}
+    for m, (forward, opt) in made.items():
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=acts) as prof:
+            for xi, yi in list(zip(xs, ys))[:steps]:
+                step(forward, opt, xi, yi)
+            torch.cuda.synchronize()
+        per[m] = {e.key: (e.count / steps, e.self_cpu_time_total / steps)
+                  for e in prof.key_averages()}
+        print(f"host {m}: {sum(t for _, t in per[m].values()):.1f} own host µs per step "
+              "in profiled events")
+    base = per["make_graphed_callables"]
+    for m in per:
+        if m == "make_graphed_callables":
+            continue
+        print(f"host {m} minus make_graphed_callables (count, own host µs per step):")
+        names = set(per[m]) | set(base)
+        diff = [(k, per[m].get(k, (0, 0))[0] - base.get(k, (0, 0))[0],
+                 per[m].get(k, (0, 0))[1] - base.get(k, (0, 0))[1]) for k in names]
+        for k, dn, dt in sorted(diff, key=lambda r: -abs(r[2]))[:top]:
+            print(f"   {dn:+5.1f}x {dt:+7.2f} µs  {k[:100]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--top", type=int, default=22)
+    ap.add_argument("--host", action="store_true",
+                    help="also the host events of 50 steps per method, as differences")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also the device kernels of 20 steps per method, and the difference")
     ap.add_argument("--profile", action="store_true", help="also a cProfile per method")
     ap.add_argument("--trace", action="store_true",
                     help="also the CUDA runtime calls of 50 steps per method and case")
@@ -120,6 +188,10 @@ def main():
     print("gc counts", gc.get_count(), "thresholds", gc.get_threshold())
     if a.trace:
         runtime_calls(made, cases)
+    if a.kernels:
+        kernels(made, xs, ys)
+    if a.host:
+        host_diff(made, xs, ys)
     for m, (forward, opt) in made.items() if a.profile else ():
         prof = cProfile.Profile()
         prof.enable()

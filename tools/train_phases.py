@@ -46,9 +46,11 @@ def setup(batch, methods):
     return x, y, made
 
 
-def run_step(forward, opt, x, y, clock, times):
+def run_step(forward, opt, x, y, clock, times, idle=False):
     t0 = clock()
     opt.zero_grad(set_to_none=True)
+    if idle:  # the device idle when the forward starts (outside the phases' clocks)
+        torch.cuda.synchronize()
     t1 = clock()
     out = forward(x)
     t2 = clock()
@@ -84,6 +86,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--idle", action="store_true",
+                    help="let the device go idle before each forward (a forward that waits "
+                         "for the device costs less then)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="first run 20 steps per method with torch.cuda.set_sync_debug_mode"
+                         "('warn'): a call that synchronizes with the device warns")
     ap.add_argument("--profile", action="store_true",
                     help="also print a cProfile of 300 steps per method (top functions)")
     a = ap.parse_args()
@@ -94,6 +102,15 @@ def main():
     for forward, opt in methods.values():
         for _ in range(6):
             run_step(forward, opt, x, y, time.perf_counter, None)
+    if a.sync_debug:
+        for name, (forward, opt) in methods.items():
+            print(f"sync debug: {name}", flush=True)
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(20):
+                    run_step(forward, opt, x, y, time.perf_counter, None)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     host = {name: {p: [] for p in PHASES} for name in methods}
     wall = {name: [] for name in methods}
     for _ in range(a.rounds):
@@ -101,7 +118,7 @@ def main():
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(a.steps):
-                run_step(forward, opt, x, y, time.perf_counter, host[name])
+                run_step(forward, opt, x, y, time.perf_counter, host[name], a.idle)
             torch.cuda.synchronize()
             wall[name].append((time.perf_counter() - start) / a.steps * 1e6)
     print(f"batch {a.batch}, {a.steps} steps x {a.rounds} rounds; host µs per phase "

@@ -169,7 +169,7 @@ class Trained(replay.Captured):
     __slots__ = ("watch", "stats", "spec", "leaf", "pool_idx", "nondiff", "diff", "static_diff",
                  "sources", "targets", "inputs_state", "state", "flags", "saved_state",
                  "spill_set", "owner", "held_reason", "diff_set", "want_backward",
-                 "backwards", "single", "recompute", "unsupported",
+                 "grad_targets", "fold", "backwards", "single", "recompute", "unsupported",
                  "capture_failed", "saved_outputs", "saved_args", "bump_before",
                  "bump_after", "views", "bumps_held", "spliced", "flat", "needs")
 
@@ -226,6 +226,11 @@ class Trained(replay.Captured):
         self.inputs_state = list({id(t): t for t in self.state if t.requires_grad}.values())
         self.targets = [base.static.buffers[base.static.positions.index(i)]
                         for i in self.sources] + self.inputs_state
+        # what the backward differentiates to: the targets, parameters replaced by the
+        # capture's stand-ins and parameters read directly after them, their gradients
+        # added to their stand-ins' (``training.StandIns``)
+        self.grad_targets: list[torch.Tensor] = self.targets
+        self.fold: tuple[tuple[int, int], ...] = ()
         self.saved_state = saved_state
         self.spill_set = spill_set  # None: unknown, a pending call holds the graph
         self.owner: _Call | None = None  # the call whose state the spill set holds
@@ -487,7 +492,8 @@ class Trained(replay.Captured):
                 self.stats.backward_eager += 1
             outs = self.static_diff if len(used) == len(self.static_diff) \
                 else [self.static_diff[k] for k in used]
-            return gradgraph.grad_of(outs, self.targets, wanted, retain_graph=True)
+            return gradgraph.folded(gradgraph.grad_of(outs, self.grad_targets, wanted,
+                                                      retain_graph=True), self.fold)
 
 
 MAX_OUTPUT_SETS = 4  # sets of used outputs with backward graphs, per training graph

@@ -64,6 +64,7 @@ _functorch_active = shortcut._functorch_active
 # without a replay or a capture (keys that never repeat); after failed captures,
 # ``recording.GIVE_UP_FAILURES``.
 GIVE_UP_FRESH_KEYS = 64
+MOVED = "a caller resized an output's storage (outputs='reuse'): capturing again"
 MOVED = "its arguments' addresses moved and the last ones never replayed"
 
 
@@ -442,6 +443,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - a failed launch: eager is still right
             return self.replay_failed(entry, exc, flat)
         if result is _HELD:
+            if graph is not None and graph.outputs_moved():
+                return self.recapture_moved(entry, flat)
             return self.protect(flat, graph.held_reason if graph is not None else None)
         if entry.syncs:  # container arguments the call changes (containers.py)
             result = containers.apply(entry.syncs, flat, result)
@@ -467,6 +470,16 @@ class Engine:
             return self.eager(*flat.call())
         self.stats.outputs_protected += 1
         self.stats.count_eager(EagerReason.OUTPUTS_HELD, warn=False)
+        return self.eager(*flat.call())
+
+    def recapture_moved(self, entry: Entry, flat: Flat) -> Any:
+        """A caller resized an output's storage (``outputs="reuse"``): the graph would
+        write memory it no longer owns, so it is dropped, this call runs eagerly and
+        the key is captured again."""
+        with self.cache.lock:
+            if entry.state is State.READY:
+                self.cache.forget_graph(entry)
+        self.stats.count_eager(EagerReason.WARMUP, MOVED)
         return self.eager(*flat.call())
 
     def replay_failed(self, entry: Entry, exc: Exception, flat: Flat,

@@ -75,6 +75,18 @@ def grad_of(outs: list[torch.Tensor], targets: list[torch.Tensor], wanted: list[
     return [next(found) if t.requires_grad else None for t in targets]
 
 
+def folded(got: list[Any], fold: tuple[tuple[int, int], ...]) -> list[Any]:
+    """``got`` (gradients per target of ``Trained.grad_targets``) with each later
+    target's gradient added to the one it is folded into, and the later ones dropped."""
+    if not fold:
+        return got
+    got = list(got)
+    for k, extra in fold:
+        a, b = got[k], got[extra]
+        got[k] = b if a is None else a if b is None else a + b
+    return got[:len(got) - len(fold)]
+
+
 def copy_all(dst: list[torch.Tensor], src: list[Any]) -> None:
     """``dst[i].copy_(src[i])`` for all i, batched where torch can."""
     if _foreach_copy is not None and len(dst) > 1:
@@ -137,17 +149,20 @@ class GradGraph:
 
 
 def capture(backend: Any, device: torch.device, outs: list[torch.Tensor],
-            targets: list[torch.Tensor], handout: bool) -> GradGraph:
-    """Capture the backward of ``outs`` to ``targets`` (raises what the capture raises)."""
+            targets: list[torch.Tensor], handout: bool,
+            fold: tuple[tuple[int, int], ...] = ()) -> GradGraph:
+    """Capture the backward of ``outs`` to ``targets``, ``fold`` applied (see
+    :func:`folded`; raises what the capture raises)."""
     grad_in = [torch.zeros_like(t).detach() for t in outs]
-    bufs = [torch.empty_like(t).detach() for t in targets] if handout else None
+    kept = targets[:len(targets) - len(fold)]
+    bufs = [torch.empty_like(t).detach() for t in kept] if handout else None
 
     lent = [bufs is not None]
 
     def backward() -> Any:
         with torch.autocast(device.type, enabled=False), hooks_held(targets):
-            got = torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
-                                      allow_unused=True)
+            got = folded(list(torch.autograd.grad(outs, targets, grad_in, retain_graph=True,
+                                                  allow_unused=True)), fold)
         if any(g is not None and g.layout is not torch.strided for g in got):
             # a sparse gradient (``Embedding(sparse=True)``): its indices and values are
             # new tensors each time in eager mode, whose number a graph would fix
@@ -227,8 +242,8 @@ def capture_next(trained: Any) -> None:
         try:
             with lifecycle.nested_block():
                 outs = [trained.static_diff[k] for k in wanted.used]
-                graph = capture(trained.backend, trained.device, outs, trained.targets,
-                                handout=first)
+                graph = capture(trained.backend, trained.device, outs, trained.grad_targets,
+                                handout=first, fold=trained.fold)
         except lifecycle.CAPTURE_ERRORS as exc:
             trained.capture_failed = True  # never again into this pool (see Trained)
             if any(s in str(exc) for s in _ONCE):  # later backwards would raise: eager

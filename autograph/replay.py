@@ -118,6 +118,12 @@ class Captured:
             return False
         return any(h.held() for h in self.holders())
 
+    def outputs_moved(self) -> bool:
+        """With ``reuse``: whether a caller resized the storage of an output handed out
+        (:meth:`Holder.moved`): the graph writes the memory it had, so only a new
+        capture can hand out such an output again."""
+        return self.reuse and any(h.moved() for h in self.holders())
+
     def synchronize(self) -> None:
         self.backend.synchronize(self.device)
 

@@ -12,13 +12,15 @@ outside the arguments and parameters) raises :class:`Uncapturable`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import gradgraph, lifecycle, notify, replay
@@ -119,8 +121,11 @@ def backward_hooks(watch: Watch) -> str | None:
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
             watch: Watch, inplace: tuple[int, ...], stats: Stats | None = None,
-            reuse: bool = False, rng_free: bool = False) -> Trained:
-    """Capture the forward of a call that autograd records (see ``backward``)."""
+            reuse: bool = False, rng_free: bool = False, stand_ins: bool = True) -> Trained:
+    """Capture the forward of a call that autograd records (see ``backward``), over
+    stand-ins of the parameters (:class:`StandIns`); a call that runs a backward
+    inside or sets a ``.grad`` (a whole step captured without warming up) is captured
+    again over the parameters themselves, whose ``.grad`` it reads."""
     if inplace:
         raise Uncapturable(UNSUPPORTED, "the call writes an argument in place")
     why = backward_hooks(watch)
@@ -175,15 +180,30 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                 statics.setdefault(_storage_key(static[i]), []).append(i)
         seen["start"] = _sequence_now()
         start.update((id(s), s._version) for s in state.values() if not s.is_inference())
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-            out = seen["out"] = fn(*args, **kwargs)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), \
+                stand.standing():
+            out = call(*args, **kwargs)
+        out = seen["out"] = stand.returned(out)
         return out
+
+    stand = StandIns(watch if stand_ins else None)
+    inner: list[str] = []  # backward passes run inside the call, with stand-ins
+    call = _spying(fn, [], inner) if stand.of else fn
 
     on_pool = OnPool(backend, backend.private_pool(device))
     # outputs cloned one by one: views of one copy returned by the autograd Function
     # would be views created inside a custom Function (in-place on them raises)
-    base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
-                             rng_free=rng_free, aliases=False, records=True)
+    try:
+        base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
+                                 rng_free=rng_free, aliases=False, records=True)
+    except Exception:
+        if not inner:
+            raise
+        base = None
+    if inner or stand.grads_set:  # its backward gave the stand-ins the gradients
+        return capture(fn, flat, backend, device, watch, inplace, stats, reuse, rng_free,
+                       stand_ins=False)
+    assert base is not None
     if base.effects is not None:  # Trained's replay does not apply them
         raise Uncapturable(UNSUPPORTED, "the call advances a host counter of an argument "
                            "object (counters.py)")
@@ -194,7 +214,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained.saved_args = list(saved_args)
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
-    problem = _foreign(trained.static_diff, trained.targets, seen["start"],
+    trained.grad_targets, trained.fold = stand.targets(trained)
+    problem = _foreign(trained.static_diff, trained.grad_targets, seen["start"],
                        _takes_capture_for_tracing(watch), set(statics), seen["arguments"])
     if problem:
         raise Uncapturable(UNSUPPORTED, problem)
@@ -207,6 +228,95 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if reuse:
         trained.lend()
     return trained
+
+
+class StandIns:
+    """Per parameter of the watched modules that requires grad, a stand-in for the
+    capture: a new leaf over the same memory.  Autograd makes a leaf's gradient
+    accumulator once and keeps it while any autograd graph holds it, with the stream
+    current when it was made.  The captured forward's autograd graph lives as long as
+    the training graph: over the parameters themselves, it would hold their
+    accumulators, made on the capture's stream, and every backward through a replay
+    would accumulate on that stream (an event and a wait per parameter, as with
+    ``make_graphed_callables``).  Over stand-ins, each call's autograd graph makes the
+    parameters' accumulators anew on the caller's stream, as eager mode does.  Tensor
+    subclasses other than ``nn.Parameter`` keep no stand-in, nor the parameters of
+    a scripted module (its code reads its own) or of a recurrent layer (its forward
+    notices parameters swapped and rebuilds its ``_flat_weights``)."""
+
+    def __init__(self, watch: Watch | None) -> None:
+        """Stand-ins for ``watch``'s parameters (none for None)."""
+        self.slots: list[tuple[dict[str, Any], str]] = []
+        self.of: dict[int, torch.Tensor] = {}  # a parameter's id: its stand-in
+        self.real: dict[int, torch.Tensor] = {}  # a stand-in's id: its parameter
+        self.grads_set = False  # the block set a stand-in's .grad (see standing)
+        if watch is None:
+            return
+        own = {id(m._parameters) for m in watch.every_module()
+               if isinstance(m, nn.RNNBase)}
+        self.slots = [(d, name) for d, name in watch.slots()
+                      if isinstance(d, dict) and id(d) not in own]
+        for d, name in self.slots:
+            t = d[name]
+            if id(t) in self.of or not (t.requires_grad and t.is_leaf) \
+                    or type(t) not in (torch.Tensor, nn.Parameter):
+                continue
+            alias = t.detach()
+            s = nn.Parameter(alias) if type(t) is nn.Parameter else alias.requires_grad_()
+            self.of[id(t)] = s
+            self.real[id(s)] = t
+
+    @contextlib.contextmanager
+    def standing(self) -> Iterator[None]:
+        """The watched modules hold the stand-ins in their parameters' places for the
+        block (the capture's one forward), then their parameters again.  A stand-in
+        holds its parameter's ``.grad`` meanwhile (code that reads it reads the same
+        tensor); one that holds another at the end was given a gradient by the block
+        (``grads_set``: the capture is made again over the parameters)."""
+        swapped = []
+        try:
+            for d, name in self.slots:
+                t = d.get(name)
+                s = self.of.get(id(t)) if t is not None else None
+                if t is not None and s is not None:
+                    s.grad = t.grad
+                    d[name] = s
+                    swapped.append((d, name, t))
+            yield
+        finally:
+            for d, name, t in reversed(swapped):
+                d[name] = t
+                held = self.of[id(t)]
+                self.grads_set = self.grads_set or held.grad is not t.grad
+                held.grad = None
+
+    def returned(self, out: Any) -> Any:
+        """``out`` with each stand-in the call returned (``return self.weight``) replaced
+        by its parameter, which the caller gets in eager mode; one inside an object
+        pytree does not open cannot be replaced: the call runs eagerly."""
+        real = self.real
+        if not real:
+            return out
+        if any(id(v) in real for v in pytree.tree_leaves(out)):
+            out = pytree.tree_map(lambda v: real.get(id(v), v), out)
+        if any(id(v) in real for v in opened(pytree.tree_leaves(out))):
+            raise Uncapturable(UNSUPPORTED, "the call returns a parameter inside an object")
+        return out
+
+    def targets(self, trained: Trained) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
+        """What the backward differentiates to: the targets with the stand-ins in the
+        parameters' places; a parameter the captured graph also reads itself (through a
+        reference of its own, not its module) is a target too, after them, and its
+        gradient is added to its stand-in's (``fold``: pairs of positions)."""
+        targets = [self.of.get(id(t), t) for t in trained.targets]
+        reached = {id(v) for node in gradgraph.nodes(trained.static_diff)
+                   if (v := getattr(node, "variable", None)) is not None}
+        fold = []
+        for k, t in enumerate(trained.targets):
+            if id(t) in self.of and id(t) in reached:
+                fold.append((k, len(targets)))
+                targets.append(t)
+        return targets, tuple(fold)
 
 
 def _needs(trained: Trained) -> list[frozenset[int]] | None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import autograph
+from autograph.dispatch import MOVED
 from autograph.replay import Captured
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -169,16 +170,36 @@ def test_each_reuse_graph_has_a_pool_of_its_own(standin):
     assert shared not in reuse_pools and shared is standin.pool(torch.device("cpu"))
 
 
-def test_a_resized_output_storage_is_never_written(standin):
-    """``untyped_storage().resize_(0)`` frees the memory the graph writes: the calls
-    after it run eagerly instead of writing freed memory."""
-    model = mlp()
-    g = autograph.graphed(model, warmup=0, outputs="reuse")
+RESIZES = ["storage to 0", "tensor larger"]
+
+
+def check_a_resized_output_storage_is_never_written(resize, device):
+    """``untyped_storage().resize_(0)`` frees the memory the graph writes, a larger
+    ``resize_`` moves it: the graph is dropped, the next call runs eagerly, and the
+    key is captured again (it replays afterwards, counted as a warmup, not as a held
+    output)."""
+    model = mlp().to(device)
+    g = autograph.graphed(model, outputs="reuse")
     with torch.no_grad():
-        out = g(torch.randn(3, 8))
-        out.untyped_storage().resize_(0)
-        del out
         for _ in range(3):
-            x = torch.randn(3, 8)
+            g(torch.randn(3, 8, device=device))
+        out = g(torch.randn(3, 8, device=device))
+        before = autograph.stats(g)["replays"]
+        assert before >= 1
+        if resize == "storage to 0":
+            out.untyped_storage().resize_(0)
+        else:
+            out.resize_(1000)
+        del out
+        for _ in range(6):
+            x = torch.randn(3, 8, device=device)
             torch.testing.assert_close(g(x), model(x))
-    assert autograph.stats(g)["outputs_protected"] == 3
+    s = autograph.stats(g)
+    assert s["outputs_protected"] == 0, s
+    assert s["captures"] == 2 and s["replays"] > before, s
+    assert s["eager_details"]["warmup"].get(MOVED) == 1, s
+
+
+@pytest.mark.parametrize("resize", RESIZES)
+def test_a_resized_output_storage_is_never_written(standin, resize):
+    check_a_resized_output_storage_is_never_written(resize, "cpu")

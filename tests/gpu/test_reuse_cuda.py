@@ -8,7 +8,7 @@ from torch import nn
 
 import autograph
 
-from ..test_reuse import held_tensor, hold
+from ..test_reuse import RESIZES, check_a_resized_output_storage_is_never_written, held_tensor, hold
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -123,3 +123,8 @@ def test_an_output_held_across_other_keys_keeps_its_values(outputs, order):
             del held
     s = autograph.stats(g)
     assert s["replays"] >= 4 * len(order) and s["outputs_protected"] == 0
+
+
+@pytest.mark.parametrize("resize", RESIZES)
+def test_a_resized_output_storage_is_never_written(resize):
+    check_a_resized_output_storage_is_never_written(resize, "cuda")

@@ -69,38 +69,83 @@ def warm(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.dev
 def _spying(fn: Callable[..., Any], found: list[str], inner: list[str]
             ) -> Callable[..., Any]:
     """``fn``, noting whether it registers a hook on a tensor (``Tensor.register_hook``
-    is replaced for the duration of the call) and whether it runs a backward pass
-    (``torch.autograd.backward`` and ``grad``, which ``Tensor.backward`` calls)."""
+    is replaced while any spied call runs) and whether it runs a backward pass
+    (``torch.autograd.backward`` and ``grad``, which ``Tensor.backward`` calls).  Only
+    the call's own thread is spied on (another's backward is not the call's); calls on
+    several threads share one installation of the spies (:class:`_Spies`)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        original = torch.Tensor.register_hook
-        backward, grad = torch.autograd.backward, torch.autograd.grad
-        me = threading.get_ident()  # the call's own thread: another's backward is not it
+        with _SPIES.on(found, inner):
+            return fn(*args, **kwargs)
 
-        def register_hook(self: torch.Tensor, hook: Any) -> Any:
-            if threading.get_ident() == me:
-                found.append("the forward registers a hook on a tensor")
-            return original(self, hook)
+    return call
+
+
+class _Spies:
+    """The spies of :func:`_spying`, installed while at least one spied call runs (on
+    any thread) and removed when the last ends; each thread's spied call notes into
+    its own lists (a thread-local), so that calls overlapping on two threads neither
+    note each other's backward nor put back each other's spies as the originals."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.originals: tuple[Any, Any, Any] | None = None
+        self.local = threading.local()
+
+    @contextlib.contextmanager
+    def on(self, found: list[str], inner: list[str]) -> Iterator[None]:
+        with self.lock:
+            if self.running == 0:
+                self._install()
+            self.running += 1
+        before = getattr(self.local, "lists", None)
+        self.local.lists = (found, inner)
+        try:
+            yield
+        finally:
+            self.local.lists = before
+            with self.lock:
+                self.running -= 1
+                if self.running == 0:
+                    self._remove()
+
+    def _install(self) -> None:
+        hook, backward, grad = originals = (
+            torch.Tensor.register_hook, torch.autograd.backward, torch.autograd.grad)
+        self.originals = originals
+        local = self.local
+
+        def register_hook(tensor: torch.Tensor, fn: Any) -> Any:
+            lists = getattr(local, "lists", None)
+            if lists is not None:
+                lists[0].append("the forward registers a hook on a tensor")
+            return hook(tensor, fn)
 
         def spied_backward(*a: Any, **k: Any) -> Any:
-            if threading.get_ident() == me:
-                inner.append("backward")
+            lists = getattr(local, "lists", None)
+            if lists is not None:
+                lists[1].append("backward")
             return backward(*a, **k)
 
         def spied_grad(*a: Any, **k: Any) -> Any:
-            if threading.get_ident() == me:
-                inner.append("grad")
+            lists = getattr(local, "lists", None)
+            if lists is not None:
+                lists[1].append("grad")
             return grad(*a, **k)
 
         torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
         torch.autograd.backward, torch.autograd.grad = spied_backward, spied_grad
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.Tensor.register_hook = original  # type: ignore[method-assign]
-            torch.autograd.backward, torch.autograd.grad = backward, grad
 
-    return call
+    def _remove(self) -> None:
+        assert self.originals is not None
+        hook, backward, grad = self.originals
+        torch.Tensor.register_hook = hook  # type: ignore[method-assign]
+        torch.autograd.backward, torch.autograd.grad = backward, grad
+        self.originals = None
+
+
+_SPIES = _Spies()
 
 
 class HooksPresent(Uncapturable):
@@ -212,6 +257,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
                       None if spill is None else list(spill.values()))
     trained.saved_args = list(saved_args)
+    _drop_unreached(trained)
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
     trained.grad_targets, trained.fold = stand.targets(trained)
@@ -246,49 +292,59 @@ class StandIns:
 
     def __init__(self, watch: Watch | None) -> None:
         """Stand-ins for ``watch``'s parameters (none for None)."""
-        self.slots: list[tuple[dict[str, Any], str]] = []
+        self.modules: list[nn.Module] = []  # those holding a parameter with a stand-in
         self.of: dict[int, torch.Tensor] = {}  # a parameter's id: its stand-in
         self.real: dict[int, torch.Tensor] = {}  # a stand-in's id: its parameter
         self.grads_set = False  # the block set a stand-in's .grad (see standing)
         if watch is None:
             return
-        own = {id(m._parameters) for m in watch.every_module()
-               if isinstance(m, nn.RNNBase)}
-        self.slots = [(d, name) for d, name in watch.slots()
-                      if isinstance(d, dict) and id(d) not in own]
-        for d, name in self.slots:
-            t = d[name]
-            if id(t) in self.of or not (t.requires_grad and t.is_leaf) \
-                    or type(t) not in (torch.Tensor, nn.Parameter):
+        for m in watch.every_module():
+            d = m.__dict__.get("_parameters")
+            if not isinstance(d, dict) or isinstance(m, nn.RNNBase):
                 continue
-            alias = t.detach()
-            s = nn.Parameter(alias) if type(t) is nn.Parameter else alias.requires_grad_()
-            self.of[id(t)] = s
-            self.real[id(s)] = t
+            held = False
+            for t in d.values():
+                if t is None or not (t.requires_grad and t.is_leaf) \
+                        or type(t) not in (torch.Tensor, nn.Parameter):
+                    continue
+                held = True
+                if id(t) not in self.of:
+                    alias = t.detach()
+                    s = nn.Parameter(alias) if type(t) is nn.Parameter \
+                        else alias.requires_grad_()
+                    self.of[id(t)] = s
+                    self.real[id(s)] = t
+            if held:
+                self.modules.append(m)
 
     @contextlib.contextmanager
     def standing(self) -> Iterator[None]:
-        """The watched modules hold the stand-ins in their parameters' places for the
-        block (the capture's one forward), then their parameters again.  A stand-in
-        holds its parameter's ``.grad`` meanwhile (code that reads it reads the same
-        tensor); one that holds another at the end was given a gradient by the block
-        (``grads_set``: the capture is made again over the parameters)."""
+        """The watched modules show the stand-ins in their parameters' places to this
+        thread for the block (the capture's one forward), and their parameters to every
+        other thread (:class:`_Viewed`).  A stand-in holds its parameter's ``.grad``
+        meanwhile (code that reads it reads the same tensor); one that holds another at
+        the end was given a gradient by the block (``grads_set``: the capture is made
+        again over the parameters)."""
+        me = threading.get_ident()
         swapped = []
         try:
-            for d, name in self.slots:
-                t = d.get(name)
-                s = self.of.get(id(t)) if t is not None else None
-                if t is not None and s is not None:
-                    s.grad = t.grad
-                    d[name] = s
-                    swapped.append((d, name, t))
+            for m in self.modules:
+                own = m.__dict__["_parameters"]
+                stand = {k: self.of[id(t)] for k, t in own.items()
+                         if t is not None and id(t) in self.of}
+                view = _Viewed(own, stand, self.real, me)
+                m.__dict__["_parameters"] = view
+                swapped.append((m, own, view))
+            for s in self.of.values():
+                s.grad = self.real[id(s)].grad
             yield
         finally:
-            for d, name, t in reversed(swapped):
-                d[name] = t
-                held = self.of[id(t)]
-                self.grads_set = self.grads_set or held.grad is not t.grad
-                held.grad = None
+            for m, own, view in reversed(swapped):
+                if m.__dict__.get("_parameters") is view:
+                    m.__dict__["_parameters"] = own
+            for s in self.of.values():
+                self.grads_set = self.grads_set or s.grad is not self.real[id(s)].grad
+                s.grad = None
 
     def returned(self, out: Any) -> Any:
         """``out`` with each stand-in the call returned (``return self.weight``) replaced
@@ -317,6 +373,66 @@ class StandIns:
                 fold.append((k, len(targets)))
                 targets.append(t)
         return targets, tuple(fold)
+
+
+class _Viewed(dict):  # type: ignore[type-arg]
+    """A module's parameter dict while a capture runs over stand-ins (``StandIns``):
+    the capturing thread reads the stand-ins, every other thread the parameters, as
+    nothing had changed; what the forward sets or deletes reaches the module's own
+    dict too."""
+
+    def __init__(self, own: dict[str, Any], stand: dict[str, torch.Tensor],
+                 real: dict[int, torch.Tensor], thread: int) -> None:
+        super().__init__(own)
+        self.own, self.stand, self.real, self.thread = own, stand, real, thread
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.stand and threading.get_ident() == self.thread:
+            return self.stand[name]
+        return dict.__getitem__(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        return self[name] if name in self else default
+
+    def values(self) -> Any:  # type: ignore[override]
+        return [self[k] for k in self]
+
+    def items(self) -> Any:  # type: ignore[override]
+        return [(k, self[k]) for k in self]
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        real = self.real.get(id(value)) if value is not None else None
+        if real is not None:  # a stand-in put back (``functional_call``'s way out)
+            self.stand[name] = value
+            value = real
+        else:
+            self.stand.pop(name, None)
+        dict.__setitem__(self, name, value)
+        self.own[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        dict.__delitem__(self, name)
+        del self.own[name]
+        self.stand.pop(name, None)
+
+
+def _drop_unreached(trained: Trained) -> None:
+    """Keep, of the state and arguments the capture saw saved, what a node the outputs
+    reach saved: a tensor saved by a node that no output reaches (a distance matrix
+    feeding only an ``argmax``) is read by no backward, and eager's backward does not
+    check it (a codebook updated in place after the save, as VQ-VAE's moving average
+    does, raises nowhere).  Where a reached node's saved tensors cannot be read,
+    everything stays checked."""
+    reached: set[int] = set()
+    for node in gradgraph.nodes(trained.static_diff):
+        keys = _saved_keys(node)
+        if keys is None:
+            return
+        reached |= keys
+    statics = dict(zip(trained.static.positions, trained.static.buffers))
+    trained.saved_state = [t for t in trained.saved_state if _storage_key(t) in reached]
+    trained.saved_args = [i for i in trained.saved_args
+                          if _storage_key(statics[i]) in reached]
 
 
 def _needs(trained: Trained) -> list[frozenset[int]] | None:

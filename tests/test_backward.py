@@ -2509,3 +2509,43 @@ def check_a_hook_on_an_output_the_loss_does_not_use_is_not_called(device):
 
 def test_a_hook_on_an_output_the_loss_does_not_use_is_not_called(standin):
     check_a_hook_on_an_output_the_loss_does_not_use_is_not_called("cpu")
+
+
+class _EmaCodebook(nn.Module):
+    """VQ-VAE with a moving-average codebook: ``embed`` is saved by a matmul whose
+    result only an ``argmax`` reads (no output reaches that node), then updated in
+    place in the same forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(12, 8)
+        self.register_buffer("embed", torch.randn(16, 8))
+
+    def forward(self, x):
+        z = self.enc(x)
+        idx = (z @ self.embed.t()).argmax(1)
+        q = self.embed[idx]
+        with torch.no_grad():
+            self.embed.mul_(0.99).add_(0.01)
+        return ((z + (q - z).detach()) ** 2).mean()
+
+
+def check_a_tensor_saved_by_a_node_no_output_reaches_may_change(device="cpu"):
+    """Eager's backward checks the versions of what the nodes it runs saved only: a
+    buffer saved by an unreached node and then updated in place raises nowhere."""
+    torch.manual_seed(0)
+    eager = _EmaCodebook().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    x = torch.randn(10, 12, device=device)
+    for _ in range(5):
+        le, lg = eager(x), g(x)
+        le.backward()
+        lg.backward()
+        torch.testing.assert_close(lg, le, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(g.enc.weight.grad, eager.enc.weight.grad,
+                                   rtol=1e-6, atol=1e-6)
+    assert autograph.stats(g)["backward_replays"] >= 1
+
+
+def test_a_tensor_saved_by_a_node_no_output_reaches_may_change():
+    check_a_tensor_saved_by_a_node_no_output_reaches_may_change()

@@ -117,3 +117,145 @@ def check_tied_parameters_take_one_stand_in(device: str):
 
 def test_tied_parameters_take_one_stand_in(standin):
     check_tied_parameters_take_one_stand_in("cpu")
+
+
+def test_the_stand_ins_are_the_capturing_threads_only():
+    """While a capture's forward runs over stand-ins, the capturing thread reads them
+    (by attribute and through ``named_parameters``), every other thread reads the
+    parameters themselves, and afterwards the module holds its own dict again."""
+    import threading
+
+    from autograph.training import StandIns
+
+    lin = nn.Linear(4, 4)
+    weight, own = lin.weight, lin._parameters
+
+    class Watched:
+        def every_module(self):
+            return [lin]
+
+    stand = StandIns(Watched())
+    seen = []
+    with stand.standing():
+        inside = lin.weight
+        named = dict(lin.named_parameters())["weight"]
+        other = threading.Thread(target=lambda: seen.extend(
+            [lin.weight, dict(lin.named_parameters())["weight"]]))
+        other.start()
+        other.join()
+    assert inside is not weight and named is inside
+    assert inside.data_ptr() == weight.data_ptr() and inside.requires_grad
+    assert len(seen) == 2 and all(w is weight for w in seen)
+    assert lin.weight is weight and lin._parameters is own
+
+
+class Meta(nn.Module):
+    """Fast weights (MAML, hypernetworks): ``functional_call`` swaps the submodule's
+    tensors in and, on its way out, puts back what it read (the stand-ins)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        w = self.net[2].weight
+        return torch.func.functional_call(self.net, {"2.weight": w * 0.5}, (x,))
+
+
+def test_functional_call_inside_the_forward_leaves_the_parameters_in_place(standin):
+    torch.manual_seed(0)
+    model = Meta()
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin)]
+    known = [id(p) for p in model.parameters()]
+    x = torch.randn(4, 8)
+    for _ in range(5):
+        for m, opt in zip((g, twin), opts):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+        assert [id(p) for p in model.parameters()] == known
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert autograph.stats(g)["backward_replays"] >= 2
+
+
+def test_another_thread_training_during_a_capture_trains_the_parameters(standin):
+    """Thread A's first call is its capture (``warmup=0``); meanwhile thread B trains
+    the same model eagerly: B's gradients reach the parameters."""
+    import threading
+
+    in_capture, b_done = threading.Event(), threading.Event()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 4)
+
+        def forward(self, x):
+            if standin.is_capturing(x.device) and x.shape[0] == 5:  # A's capture
+                in_capture.set()
+                b_done.wait(10)
+            return self.l2(torch.tanh(self.l1(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model, warmup=0)
+    xa, xb = torch.randn(5, 16), torch.randn(7, 16)
+    params = list(model.parameters())
+    got = []
+
+    def thread_b():
+        in_capture.wait(10)
+        with autograph.disabled():  # an eager run of the model meanwhile
+            g(xb).pow(2).mean().backward()
+        got.extend(p.grad for p in params)
+        b_done.set()
+
+    other = threading.Thread(target=thread_b)
+    other.start()
+    g(xa)
+    other.join()
+    assert in_capture.is_set(), autograph.stats(g)
+    twin(xb).pow(2).mean().backward()
+    assert len(got) == 4
+    for a, p in zip(got, twin.parameters()):
+        assert a is not None
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_warmups_overlapping_on_two_threads_leave_autograd_unpatched(standin):
+    """Learning warmups spy on ``torch.autograd.backward``/``grad`` and
+    ``Tensor.register_hook``; two overlapping on two threads (one ending after the
+    other began) leave torch's own functions in place afterwards."""
+    import threading
+    import time
+
+    originals = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.register_hook)
+    a_in, b_in = threading.Event(), threading.Event()
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] == 2 and not a_in.is_set():  # A's first warmup: B's starts
+                a_in.set()
+                b_in.wait(1)
+            elif x.shape[0] == 3 and not b_in.is_set():  # B's, ending after A's
+                b_in.set()
+                time.sleep(0.2)
+            return self.l(x)
+
+    g = autograph.graphed(Net())
+    a = threading.Thread(target=lambda: g(torch.randn(2, 4)).sum().backward())
+    b = threading.Thread(target=lambda: (a_in.wait(1), g(torch.randn(3, 4)).sum().backward()))
+    a.start()
+    b.start()
+    a.join()
+    b.join()
+    assert (torch.autograd.grad, torch.autograd.backward,
+            torch.Tensor.register_hook) == originals

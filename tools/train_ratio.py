@@ -11,30 +11,13 @@ spread (10th to 90th percentile) of the paired ratios.  Needs CUDA.
 
 import argparse
 import statistics
-import time
 
 import torch
-from torch import nn
-from train_phases import setup  # tools/train_phases.py (tools run as scripts)
+from train_gap import timed as burst  # tools/train_gap.py (tools run as scripts)
+from train_phases import setup
 
 MGC = "make_graphed_callables"
 METHODS = ("autograph", "autograph reuse", MGC, "mgc control")
-
-
-def step(forward, opt, x, y):
-    opt.zero_grad(set_to_none=True)
-    loss = nn.functional.mse_loss(forward(x), y)
-    loss.backward()
-    opt.step()
-
-
-def burst(forward, opt, xs, ys):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for x, y in zip(xs, ys):
-        step(forward, opt, x, y)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / len(xs) * 1e6
 
 
 def quantile(values, q):

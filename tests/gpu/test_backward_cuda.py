@@ -24,7 +24,11 @@ from torch import nn
 
 import autograph
 
-from ..test_backward import check_double_backward, check_frozen_model_unfrozen
+from ..test_backward import (
+    check_a_tensor_saved_by_a_node_no_output_reaches_may_change,
+    check_double_backward,
+    check_frozen_model_unfrozen,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -247,3 +251,7 @@ def test_double_backward_of_a_physics_informed_loss_equals_eager(norm):
 
 def test_a_frozen_model_unfrozen_records_again():
     check_frozen_model_unfrozen("cuda")
+
+
+def test_a_tensor_saved_by_a_node_no_output_reaches_may_change():
+    check_a_tensor_saved_by_a_node_no_output_reaches_may_change("cuda")

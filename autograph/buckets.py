@@ -245,13 +245,14 @@ class Bucketer:
         try:
             for x in (*args, *kwargs.values()):
                 parts.append(x.dtype if isinstance(x, torch.Tensor) else leaf_key(x))
-        except Uncapturable as exc:
+        except Uncapturable:
             # (a list of caches: the padding check could not see padded rows write
             # into them) one graph per batch size, said once
             if self.stats.padding is None:
+                kind = _unkeyed_kind(args, kwargs)
                 self.stats.padding = (f"padding off for calls with an argument it cannot "
-                                      f"check ({exc.detail or exc.reason.message}); one "
-                                      f"graph per batch size")
+                                      f"check ({kind}: padded rows' writes into it cannot "
+                                      f"be checked); one graph per batch size")
                 logger.info("%s: %s", self.stats.name, self.stats.padding)
             return None
         return (len(args), tuple(kwargs), tuple(parts))
@@ -369,3 +370,16 @@ class Bucketer:
             return False
         self._turn_off(learned, f"padding changes results ({problem})")
         return False
+
+
+def _unkeyed_kind(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """The type of the first argument the padding context cannot key by value (a
+    cache object): the calls themselves are keyed and replay, unpadded."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            continue
+        try:
+            leaf_key(x)
+        except Uncapturable:
+            return f"an argument of type {type(x).__qualname__}"
+    return "an argument"

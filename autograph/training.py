@@ -257,7 +257,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     trained = Trained(base, on_pool, watch, stats, out, list(saved.values()),
                       None if spill is None else list(spill.values()))
     trained.saved_args = list(saved_args)
-    _drop_unreached(trained)
+    reached = _drop_unreached(trained)
+    _inputs_reached(trained, stand)
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
     trained.grad_targets, trained.fold = stand.targets(trained)
@@ -270,6 +271,10 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if trained.spill_set is not None:
         trained.spill_set = [_spillable(t) for t in trained.spill_set]
     trained.find_saved_outputs()
+    if reached is not None:  # (an output saved by a node no output reaches: unchecked)
+        trained.saved_outputs = [k for k, t in zip(trained.diff, trained.static_diff)
+                                 if k in trained.saved_outputs
+                                 and _storage_key(t) in reached]
     trained.needs = _needs(trained)
     if reuse:
         trained.lend()
@@ -416,23 +421,38 @@ class _Viewed(dict):  # type: ignore[type-arg]
         self.stand.pop(name, None)
 
 
-def _drop_unreached(trained: Trained) -> None:
+def _inputs_reached(trained: Trained, stand: StandIns) -> None:
+    """Keep, of the parameters the replays' Function takes as inputs, those the captured
+    graph reaches (itself or through its stand-in): autograd runs the gradient
+    accumulator of every input, and the hooks of an unused parameter (an unused head),
+    which eager mode never calls, would be called with None."""
+    leaves = {id(v) for node in gradgraph.nodes(trained.static_diff)
+              if (v := getattr(node, "variable", None)) is not None}
+    kept = [p for p in trained.inputs_state
+            if id(p) in leaves or id(stand.of.get(id(p))) in leaves]
+    if len(kept) < len(trained.inputs_state):
+        trained.inputs_state = kept
+        trained.targets = trained.targets[:len(trained.sources)] + kept
+
+
+def _drop_unreached(trained: Trained) -> set[int] | None:
     """Keep, of the state and arguments the capture saw saved, what a node the outputs
     reach saved: a tensor saved by a node that no output reaches (a distance matrix
     feeding only an ``argmax``) is read by no backward, and eager's backward does not
     check it (a codebook updated in place after the save, as VQ-VAE's moving average
     does, raises nowhere).  Where a reached node's saved tensors cannot be read,
-    everything stays checked."""
+    everything stays checked (None; else the storages saved by reached nodes)."""
     reached: set[int] = set()
     for node in gradgraph.nodes(trained.static_diff):
         keys = _saved_keys(node)
         if keys is None:
-            return
+            return None
         reached |= keys
     statics = dict(zip(trained.static.positions, trained.static.buffers))
     trained.saved_state = [t for t in trained.saved_state if _storage_key(t) in reached]
     trained.saved_args = [i for i in trained.saved_args
                           if _storage_key(statics[i]) in reached]
+    return reached
 
 
 def _needs(trained: Trained) -> list[frozenset[int]] | None:

@@ -2549,3 +2549,78 @@ def check_a_tensor_saved_by_a_node_no_output_reaches_may_change(device="cpu"):
 
 def test_a_tensor_saved_by_a_node_no_output_reaches_may_change():
     check_a_tensor_saved_by_a_node_no_output_reaches_may_change()
+
+
+class _UnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.aux_head = nn.Linear(16, 2)  # another task's: this forward never uses it
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def check_hooks_of_a_parameter_the_call_never_uses_are_not_called(device="cpu"):
+    """Eager mode never calls the gradient hooks of a parameter the forward does not
+    use; the replays' Function took every parameter as an input and autograd called
+    them with None (a clipping hook ``g.clamp(-1, 1)`` raised)."""
+    torch.manual_seed(0)
+    eager = _UnusedHead().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    calls = {"eager": [], "graphed": []}
+    for name, m in (("eager", eager), ("graphed", g)):
+        for p in m.parameters():
+            p.register_hook(lambda grad, name=name: calls[name].append(grad is None)
+                            or grad.clamp(-1, 1))
+    x = torch.randn(4, 8, device=device)
+    for _ in range(5):
+        for name, m in (("eager", eager), ("graphed", g)):
+            calls[name].clear()
+            m(x).pow(2).mean().backward()
+        assert calls["graphed"] == calls["eager"] == [False] * 4
+    for p, q in zip(eager.parameters(), g.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6)
+    assert autograph.stats(g)["backward_replays"] >= 2
+
+
+def test_hooks_of_a_parameter_the_call_never_uses_are_not_called():
+    check_hooks_of_a_parameter_the_call_never_uses_are_not_called()
+
+
+class _Policy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.body(x)))
+        return logits, logits.pow(2).mean().detach()  # a metric: ``pow`` saves logits
+
+
+def check_an_output_saved_only_by_an_unreached_node_may_be_written(device="cpu"):
+    """An output that only a node no output reaches saved (a detached metric computed
+    from it) may be written in place before the backward, as in eager mode (invalid
+    actions masked)."""
+    torch.manual_seed(0)
+    eager = _Policy().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    x = torch.randn(4, 8, device=device)
+    act = torch.randint(0, 5, (4,), device=device)
+    mask = torch.rand(4, 5, device=device) < 0.3
+    mask[torch.arange(4), act] = False
+    for _ in range(5):
+        for m in (eager, g):
+            logits, _ = m(x)
+            logits.masked_fill_(mask, -1e9)
+            nn.functional.cross_entropy(logits, act).backward()
+    for p, q in zip(eager.parameters(), g.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+    assert autograph.stats(g)["backward_replays"] >= 2
+
+
+def test_an_output_saved_only_by_an_unreached_node_may_be_written():
+    check_an_output_saved_only_by_an_unreached_node_may_be_written()

@@ -771,3 +771,25 @@ def check_a_first_call_that_writes_nothing_keeps_the_buckets(device="cpu"):
 
 def test_a_first_call_that_writes_nothing_keeps_the_buckets():
     check_a_first_call_that_writes_nothing_keeps_the_buckets()
+
+
+class _Holder:
+    """An object argument (a cache of the user's own): keyed as an object, but the
+    padding check cannot see padded rows write into it."""
+
+    def __init__(self):
+        self.scale = torch.ones(1)
+
+
+def test_padding_off_for_an_object_argument_names_its_type(standin):
+    def step(x, holder):
+        return x * holder.scale
+
+    g = autograph.graphed(step, buckets=[2, 4])
+    holder = _Holder()
+    for rows in (1, 3, 1, 3, 1, 3):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(g(x, holder), x)
+    s = autograph.stats(g)
+    assert s["padding"] is not None and "of type _Holder" in s["padding"], s
+    assert "are keyed" not in s["padding"], s

@@ -26,8 +26,10 @@ import autograph
 
 from ..test_backward import (
     check_a_tensor_saved_by_a_node_no_output_reaches_may_change,
+    check_an_output_saved_only_by_an_unreached_node_may_be_written,
     check_double_backward,
     check_frozen_model_unfrozen,
+    check_hooks_of_a_parameter_the_call_never_uses_are_not_called,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -255,3 +257,11 @@ def test_a_frozen_model_unfrozen_records_again():
 
 def test_a_tensor_saved_by_a_node_no_output_reaches_may_change():
     check_a_tensor_saved_by_a_node_no_output_reaches_may_change("cuda")
+
+
+def test_hooks_of_a_parameter_the_call_never_uses_are_not_called():
+    check_hooks_of_a_parameter_the_call_never_uses_are_not_called("cuda")
+
+
+def test_an_output_saved_only_by_an_unreached_node_may_be_written():
+    check_an_output_saved_only_by_an_unreached_node_may_be_written("cuda")

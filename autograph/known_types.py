@@ -185,12 +185,16 @@ def _forget(key: int, ref: Any) -> None:
 
 def _phase(walked: Walked, i: int, value: int, window: Any) -> Any:
     """A sliding layer's token count by its phase: 0 (empty), filling (1 to the window
-    less one) or full (the window or more), which is what ``update()`` branches on for
-    a call of a given number of new tokens.  The capture checks that every branch the
-    call takes on it is the same for every value of the phase (``counters``)."""
+    less two), the last step of filling (the window less one) or full (the window or
+    more), which is what ``update()`` and ``get_mask_sizes()`` branch on for a call of
+    a given number of new tokens (the mask's offset, ``max(count - window + 1, 0)``,
+    compares ``count`` with the window less one: a decode loop with no mask of its own
+    reads it).  The capture checks that every branch the call takes on it is the same
+    for every value of the phase (``counters``)."""
     if type(value) is not int or type(window) is not int or window < 2 or value < 0:
         return value  # keyed by value
-    lo, hi = (0, 0) if value == 0 else (1, window - 1) if value < window else (window, None)
+    lo, hi = (0, 0) if value == 0 else (1, window - 2) if value < window - 1 \
+        else (window - 1, window - 1) if value == window - 1 else (window, None)
     if walked.counters is None:
         walked.counters = []
     walked.counters.append(Counter(("layers", i), _COUNTER, lo, hi,

@@ -40,7 +40,10 @@ HOST_SYNCS = {
 
 
 # operators whose output size depends on the data: the host reads it on the device
-for _name in ("_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount"):
+for _name in ("_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount",
+              # a nested tensor made from a mask (``nn.TransformerEncoder``'s fast path
+              # with a padding mask): CUDA reads the mask on the host
+              "_nested_tensor_from_mask", "_nested_tensor_from_mask_left_aligned"):
     if hasattr(aten, _name):
         HOST_SYNCS.add(getattr(aten, _name).default)
 # operators of other libraries that read device data on the host (by name: the library

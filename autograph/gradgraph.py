@@ -194,6 +194,12 @@ def nodes(outs: list[torch.Tensor]) -> Iterator[Any]:
         stack.extend(nxt for nxt, _ in node.next_functions)
 
 
+def leaves(outs: list[torch.Tensor]) -> set[int]:
+    """The ids of the leaves (``AccumulateGrad``'s variables) the autograd graph behind
+    ``outs`` reaches; the graph keeps them alive."""
+    return {id(v) for node in nodes(outs) if (v := getattr(node, "variable", None)) is not None}
+
+
 class Backwards:
     """The backward graphs of one training graph for one set of used outputs (a loss
     that uses some outputs takes the gradients of those only, as eager's backward

@@ -258,10 +258,11 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                       None if spill is None else list(spill.values()))
     trained.saved_args = list(saved_args)
     reached = _drop_unreached(trained)
-    _inputs_reached(trained, stand)
+    graph_leaves = gradgraph.leaves(trained.static_diff)
+    _inputs_reached(trained, stand, graph_leaves)
     trained.split_bumps(offsets)
     trained.recompute = (fn, flat.rebuilder())
-    trained.grad_targets, trained.fold = stand.targets(trained)
+    trained.grad_targets, trained.fold = stand.targets(trained, graph_leaves)
     problem = _foreign(trained.static_diff, trained.grad_targets, seen["start"],
                        _takes_capture_for_tracing(watch), set(statics), seen["arguments"])
     if problem:
@@ -364,14 +365,14 @@ class StandIns:
             raise Uncapturable(UNSUPPORTED, "the call returns a parameter inside an object")
         return out
 
-    def targets(self, trained: Trained) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
+    def targets(self, trained: Trained, reached: set[int]
+                ) -> tuple[list[torch.Tensor], tuple[tuple[int, int], ...]]:
         """What the backward differentiates to: the targets with the stand-ins in the
         parameters' places; a parameter the captured graph also reads itself (through a
-        reference of its own, not its module) is a target too, after them, and its
-        gradient is added to its stand-in's (``fold``: pairs of positions)."""
+        reference of its own, not its module; ``reached``: the ids of the graph's
+        leaves) is a target too, after them, and its gradient is added to its
+        stand-in's (``fold``: pairs of positions)."""
         targets = [self.of.get(id(t), t) for t in trained.targets]
-        reached = {id(v) for node in gradgraph.nodes(trained.static_diff)
-                   if (v := getattr(node, "variable", None)) is not None}
         fold = []
         for k, t in enumerate(trained.targets):
             if id(t) in self.of and id(t) in reached:
@@ -421,15 +422,17 @@ class _Viewed(dict):  # type: ignore[type-arg]
         self.stand.pop(name, None)
 
 
-def _inputs_reached(trained: Trained, stand: StandIns) -> None:
+def _inputs_reached(trained: Trained, stand: StandIns, leaves: set[int]) -> None:
     """Keep, of the parameters the replays' Function takes as inputs, those the captured
-    graph reaches (itself or through its stand-in): autograd runs the gradient
-    accumulator of every input, and the hooks of an unused parameter (an unused head),
-    which eager mode never calls, would be called with None."""
-    leaves = {id(v) for node in gradgraph.nodes(trained.static_diff)
-              if (v := getattr(node, "variable", None)) is not None}
-    kept = [p for p in trained.inputs_state
-            if id(p) in leaves or id(stand.of.get(id(p))) in leaves]
+    graph reaches (``leaves``: the ids of its leaves; a parameter itself or its
+    stand-in): autograd runs the gradient accumulator of every input, and the hooks of
+    an unused parameter (an unused head), which eager mode never calls, would be called
+    with None."""
+    def reached(p: torch.Tensor) -> bool:
+        s = stand.of.get(id(p))
+        return id(p) in leaves or (s is not None and id(s) in leaves)
+
+    kept = [p for p in trained.inputs_state if reached(p)]
     if len(kept) < len(trained.inputs_state):
         trained.inputs_state = kept
         trained.targets = trained.targets[:len(trained.sources)] + kept

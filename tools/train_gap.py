@@ -98,16 +98,23 @@ def kernels(made, xs, ys, steps=20, top=40):
         print(f"kernels {m}: {count:.1f} per step, {total:.1f} device µs per step")
         for k, (n, t) in sorted(per[m].items(), key=lambda kv: -kv[1][1])[:top]:
             print(f"   {n:5.1f}x {t:7.2f} µs  {k[:110]}")
+    differences(per, "kernels", "µs per step", top, quiet=True)
+
+
+def differences(per, what, unit, top, quiet=False):
+    """Each autograph method's rows (``per[method][name] = (count, µs)`` per step) less
+    ``make_graphed_callables``', the largest differences in µs first; ``quiet`` leaves
+    out rows that differ by less than 0.01 in count and 0.5 µs."""
     base = per["make_graphed_callables"]
     for m in per:
         if m == "make_graphed_callables":
             continue
-        print(f"kernels {m} minus make_graphed_callables (count, µs per step):")
+        print(f"{what} {m} minus make_graphed_callables (count, {unit}):")
         names = set(per[m]) | set(base)
         diff = [(k, per[m].get(k, (0, 0))[0] - base.get(k, (0, 0))[0],
                  per[m].get(k, (0, 0))[1] - base.get(k, (0, 0))[1]) for k in names]
         for k, dn, dt in sorted(diff, key=lambda r: -abs(r[2]))[:top]:
-            if abs(dn) > 0.01 or abs(dt) > 0.5:
+            if not quiet or abs(dn) > 0.01 or abs(dt) > 0.5:
                 print(f"   {dn:+5.1f}x {dt:+7.2f} µs  {k[:110]}")
 
 
@@ -127,16 +134,7 @@ def host_diff(made, xs, ys, steps=50, top=30):
                   for e in prof.key_averages()}
         print(f"host {m}: {sum(t for _, t in per[m].values()):.1f} own host µs per step "
               "in profiled events")
-    base = per["make_graphed_callables"]
-    for m in per:
-        if m == "make_graphed_callables":
-            continue
-        print(f"host {m} minus make_graphed_callables (count, own host µs per step):")
-        names = set(per[m]) | set(base)
-        diff = [(k, per[m].get(k, (0, 0))[0] - base.get(k, (0, 0))[0],
-                 per[m].get(k, (0, 0))[1] - base.get(k, (0, 0))[1]) for k in names]
-        for k, dn, dt in sorted(diff, key=lambda r: -abs(r[2]))[:top]:
-            print(f"   {dn:+5.1f}x {dt:+7.2f} µs  {k[:100]}")
+    differences(per, "host", "own host µs per step", top)
 
 
 def main():

@@ -180,6 +180,7 @@ class Trained(replay.Captured):
                          base.device, base.seeded, base.hidden, base.state_written,
                          base.inplace, reuse)
         self.syncs = base.syncs
+        self.grads_of = base.grads_of  # the .grad it reads: guarded (recording._keep)
         # the state a call writes, its version counters advanced inside the Function,
         # around the save for backward as the call's writes were (see ``split_bumps``)
         self.bump_before: list[torch.Tensor] = list(base.bumps.state)
@@ -492,8 +493,13 @@ class Trained(replay.Captured):
                 self.stats.backward_eager += 1
             outs = self.static_diff if len(used) == len(self.static_diff) \
                 else [self.static_diff[k] for k in used]
-            return gradgraph.folded(gradgraph.grad_of(outs, self.grad_targets, wanted,
-                                                      retain_graph=True), self.fold)
+            got = gradgraph.grad_of(outs, self.grad_targets, wanted, retain_graph=True)
+            if any(g is not None and g.layout is not torch.strided for g in got):
+                # a sparse gradient (``Embedding(sparse=True)``): its size is the
+                # call's, and no hand-out buffer holds it; backwards stay eager
+                self.capture_failed = True
+                self.want_backward = None
+            return gradgraph.folded(got, self.fold)
 
 
 MAX_OUTPUT_SETS = 4  # sets of used outputs with backward graphs, per training graph

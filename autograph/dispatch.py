@@ -64,7 +64,7 @@ _functorch_active = shortcut._functorch_active
 # without a replay or a capture (keys that never repeat); after failed captures,
 # ``recording.GIVE_UP_FAILURES``.
 GIVE_UP_FRESH_KEYS = 64
-MOVED = "a caller resized an output's storage (outputs='reuse'): capturing again"
+RESIZED = "a caller resized an output's storage (outputs='reuse'): capturing again"
 MOVED = "its arguments' addresses moved and the last ones never replayed"
 
 
@@ -479,7 +479,7 @@ class Engine:
         with self.cache.lock:
             if entry.state is State.READY:
                 self.cache.forget_graph(entry)
-        self.stats.count_eager(EagerReason.WARMUP, MOVED)
+        self.stats.count_eager(EagerReason.WARMUP, RESIZED)
         return self.eager(*flat.call())
 
     def replay_failed(self, entry: Entry, exc: Exception, flat: Flat,

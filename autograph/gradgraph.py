@@ -83,7 +83,8 @@ def folded(got: list[Any], fold: tuple[tuple[int, int], ...]) -> list[Any]:
     got = list(got)
     for k, extra in fold:
         a, b = got[k], got[extra]
-        got[k] = b if a is None else a if b is None else a + b
+        # (a sparse gradient, ``Embedding(sparse=True)``, added to a dense one)
+        got[k] = b if a is None else a if b is None else b + a if a.is_sparse else a + b
     return got[:len(got) - len(fold)]
 
 

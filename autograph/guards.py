@@ -103,6 +103,19 @@ _ptrs_equal: Callable[[list[Any], list[int], list[int]], bool] | None = getattr(
 _local = threading.local()
 
 
+def _host_stamp(t: torch.Tensor) -> Any:
+    """What tells a host tensor's contents apart between calls: its version counter,
+    or for an inference tensor (which has none: a model built under
+    ``torch.inference_mode()``) a copy of it."""
+    return t.detach().clone() if t.is_inference() else t._version
+
+
+def _same_stamp(t: torch.Tensor, stamp: Any) -> bool:
+    if isinstance(stamp, int):
+        return t._version == stamp
+    return t.shape == stamp.shape and bool(torch.equal(t, stamp))
+
+
 class Watch:
     """Guards the Python-side state of one graphed callable."""
 
@@ -325,7 +338,8 @@ class Watch:
         ``grad``, requires grad as it did)."""
         for ref, ptr, version, flag in self._hidden:
             t = ref()
-            if t is None or t.data_ptr() != ptr or (version is not None and t._version != version):
+            if t is None or t.data_ptr() != ptr or (version is not None
+                                                    and not _same_stamp(t, version)):
                 return False
             if grad and t.requires_grad is not flag:
                 return False
@@ -385,7 +399,7 @@ class Watch:
                 ref = weakref.ref(t)
             except TypeError:  # pragma: no cover - tensors support weak references
                 continue
-            version = t._version if t.device != device else None
+            version = _host_stamp(t) if t.device != device else None
             self._hidden.append((ref, t.data_ptr(), version, t.requires_grad))
 
     def forget_assignments(self) -> None:

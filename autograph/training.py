@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils import _pytree as pytree
 
 from . import gradgraph, lifecycle, notify, replay
@@ -179,8 +180,11 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     leaves = flat.leaves
     wants = [i for i in flat.tensor_pos if leaves[i].requires_grad]
     # the parameters, buffers and named tensors the forward may save for its backward
-    state = {storage_ptr(t): t for t in (*watch.tensors(), *watch.named(),
-                                         *watch.attribute_tensors()) if t.numel()}
+    # (per storage every tensor: parameters that are views of one flat buffer)
+    state: dict[int, list[torch.Tensor]] = {}
+    for t in {id(t): t for t in (*watch.tensors(), *watch.named(),
+                                 *watch.attribute_tensors()) if t.numel()}.values():
+        state.setdefault(storage_ptr(t), []).append(t)
     own = set(state)  # not overwritten by a replay
     saved: dict[int, torch.Tensor] = {}
     # per state tensor saved: the fewest in-place writes the call made to it before
@@ -195,8 +199,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal spill
         where = _storage_key(t)
-        s = state.get(where)
-        if s is not None:
+        for s in _holding(state.get(where, ()), t):
             saved.setdefault(id(s), s)
             if id(s) in start:
                 offset = s._version - start[id(s)]
@@ -224,14 +227,15 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
             if static[i] is not leaves[i]:  # a static buffer, not the caller's tensor
                 statics.setdefault(_storage_key(static[i]), []).append(i)
         seen["start"] = _sequence_now()
-        start.update((id(s), s._version) for s in state.values() if not s.is_inference())
+        start.update((id(s), s._version) for same in state.values() for s in same
+                     if not s.is_inference())
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpack), \
                 stand.standing():
             out = call(*args, **kwargs)
         out = seen["out"] = stand.returned(out)
         return out
 
-    stand = StandIns(watch if stand_ins else None)
+    stand = StandIns(watch if stand_ins and not _parametrize_cached() else None)
     inner: list[str] = []  # backward passes run inside the call, with stand-ins
     call = _spying(fn, [], inner) if stand.of else fn
 
@@ -242,12 +246,15 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
                                  rng_free=rng_free, aliases=False, records=True)
     except Exception:
-        if not inner:
+        if not stand.of:
             raise
+        # over stand-ins: code that finds a parameter by identity (``id(w)`` as a key,
+        # ``torch.autograd.grad`` imported before the spies) may fail on them where it
+        # works on the parameters; the capture over the parameters decides
         base = None
-    if inner or stand.grads_set:  # its backward gave the stand-ins the gradients
-        return capture(fn, flat, backend, device, watch, inplace, stats, reuse, rng_free,
-                       stand_ins=False)
+    if base is None or inner or stand.grads_set:  # (a backward inside gave the
+        return capture(fn, flat, backend, device, watch,  # stand-ins the gradients)
+                       inplace, stats, reuse, rng_free, stand_ins=False)
     assert base is not None
     if base.effects is not None:  # Trained's replay does not apply them
         raise Uncapturable(UNSUPPORTED, "the call advances a host counter of an argument "
@@ -277,6 +284,11 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
                                  if k in trained.saved_outputs
                                  and _storage_key(t) in reached]
     trained.needs = _needs(trained)
+    if any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+           for m in watch.every_module()):
+        # sparse gradients: sized by the call's indices, and no hand-out buffer holds
+        # them; the backwards run the captured autograd graph eagerly
+        trained.capture_failed = True
     if reuse:
         trained.lend()
     return trained
@@ -304,20 +316,23 @@ class StandIns:
         self.grads_set = False  # the block set a stand-in's .grad (see standing)
         if watch is None:
             return
-        for m in watch.every_module():
+        modules = watch.every_module()
+        known = _known_by_identity(modules)
+        for m in modules:
             d = m.__dict__.get("_parameters")
             if not isinstance(d, dict) or isinstance(m, nn.RNNBase):
                 continue
             held = False
             for t in d.values():
                 if t is None or not (t.requires_grad and t.is_leaf) \
-                        or type(t) not in (torch.Tensor, nn.Parameter):
+                        or type(t) not in (torch.Tensor, nn.Parameter) or id(t) in known:
                     continue
                 held = True
                 if id(t) not in self.of:
                     alias = t.detach()
                     s = nn.Parameter(alias) if type(t) is nn.Parameter \
                         else alias.requires_grad_()
+                    s.__dict__.update(t.__dict__)  # (``w.lr_mult``, ``w.main_grad``)
                     self.of[id(t)] = s
                     self.real[id(s)] = t
             if held:
@@ -379,6 +394,42 @@ class StandIns:
                 fold.append((k, len(targets)))
                 targets.append(t)
         return targets, tuple(fold)
+
+
+def _parametrize_cached() -> bool:
+    """Whether ``torch.nn.utils.parametrize.cached()`` is active: its cache would keep a
+    weight computed from the stand-ins, which the caller's own code would then read."""
+    return bool(getattr(parametrize, "_cache_enabled", 0))
+
+
+_CONTAINERS = (list, tuple, set, frozenset, dict)
+MAX_HELD = 10_000  # values looked at in the modules' containers
+
+
+def _known_by_identity(modules: list[nn.Module]) -> set[int]:
+    """The ids of the tensors, and the integers, that the modules hold in plain
+    containers of their own (``self.no_decay = {self.bias}``, ``self.masks = {w: m}``,
+    ``{id(w): m}``): code that finds a parameter by identity there would not find its
+    stand-in, so such parameters keep none (their accumulators stay on the capture's
+    stream, as before stand-ins)."""
+    found: set[int] = set()
+    todo: list[Any] = []
+    for m in modules:
+        todo += [v for k, v in vars(m).items()
+                 if k not in ("_parameters", "_buffers", "_modules") and isinstance(v, _CONTAINERS)]
+    seen = 0
+    while todo and seen < MAX_HELD:
+        v = todo.pop()
+        seen += 1
+        if isinstance(v, torch.Tensor):
+            found.add(id(v))
+        elif isinstance(v, int):
+            found.add(v)
+        elif isinstance(v, dict):
+            todo += list(v.keys()) + list(v.values())
+        elif isinstance(v, _CONTAINERS):
+            todo += list(v)
+    return found
 
 
 class _Viewed(dict):  # type: ignore[type-arg]
@@ -525,6 +576,25 @@ def _plain(t: torch.Tensor) -> bool:
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _holding(tensors: Collection[torch.Tensor], t: torch.Tensor) -> Collection[torch.Tensor]:
+    """Of the state tensors over one storage, those whose memory holds all of ``t``'s
+    (the one parameter of a flat buffer that an operator saved); all of them where none
+    does (a saved tensor spanning several)."""
+    if len(tensors) < 2:
+        return tensors
+    lo = t.data_ptr()
+    hi = lo + _span(t)
+    inside = [s for s in tensors if s.data_ptr() <= lo and hi <= s.data_ptr() + _span(s)]
+    return inside or tensors
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to just past its last (strides non-negative)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -2380,3 +2380,40 @@ def test_a_property_set_to_the_value_it_holds_keeps_the_graphs(standin):
         m.mode = "b"
         for _ in range(4):
             torch.testing.assert_close(g(x), 2.0 * m.lin(x))
+
+
+class HostScale(nn.Module):
+    """A 0-dim scale kept as a plain attribute: it stays on the host after ``.cuda()``,
+    and is an inference tensor when the model is built under ``inference_mode``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.scale = torch.tensor(8 ** -0.5)
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+def check_a_host_inference_tensor_read_by_a_graph(device="cpu"):
+    with torch.inference_mode():
+        model = HostScale().to(device).eval()
+    g = autograph.graphed(model)
+    with torch.inference_mode():
+        for i in range(8):
+            if i == 5:  # written in place: seen by its value (no version counter)
+                model.scale.fill_(2.0)
+            x = torch.randn(2, 8, device=device)
+            torch.testing.assert_close(g(x), model.proj(x) * model.scale.item())
+    assert autograph.stats(g)["replays"] >= 2, autograph.stats(g)
+
+
+def test_a_host_inference_tensor_read_by_a_graph(standin, monkeypatch):
+    # the stand-in graphs CPU tensors: the scale is a host tensor of a device graph
+    # only when the guard is told the graph's device is another one, as on CUDA
+    from autograph import guards
+
+    original = guards.Watch.guard_hidden
+    monkeypatch.setattr(guards.Watch, "guard_hidden", lambda self, tensors, device:
+                        original(self, tensors, torch.device("meta")))
+    check_a_host_inference_tensor_read_by_a_graph()

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import autograph
-from autograph.dispatch import MOVED
+from autograph.dispatch import RESIZED
 from autograph.replay import Captured
 
 pytestmark = pytest.mark.usefixtures("standin")
@@ -197,7 +197,7 @@ def check_a_resized_output_storage_is_never_written(resize, device):
     s = autograph.stats(g)
     assert s["outputs_protected"] == 0, s
     assert s["captures"] == 2 and s["replays"] > before, s
-    assert s["eager_details"]["warmup"].get(MOVED) == 1, s
+    assert s["eager_details"]["warmup"].get(RESIZED) == 1, s
 
 
 @pytest.mark.parametrize("resize", RESIZES)

@@ -29,6 +29,7 @@ from ..test_buckets import (
     check_order_statistics_over_the_batch_turn_padding_off,
 )
 from ..test_guards import (
+    check_a_host_inference_tensor_read_by_a_graph,
     check_global_named_like_an_attribute,
     check_plain_object_method_reads_its_attributes,
 )
@@ -776,6 +777,10 @@ def test_global_named_like_an_attribute_keeps_the_graphs():
 
 def test_bucket_output_derived_from_the_batch_size_keeps_eager_values():
     check_batch_size_output_keeps_eager_values(dev)
+
+
+def test_a_host_inference_tensor_read_by_a_graph():
+    check_a_host_inference_tensor_read_by_a_graph(dev)
 
 
 def test_a_returned_torch_size_stays_a_torch_size():

@@ -9,7 +9,13 @@ from torch import nn
 import autograph
 
 from ..test_stand_ins import (
+    check_a_capture_failing_over_stand_ins_is_made_over_the_parameters,
+    check_a_forward_reading_grad_sees_each_steps,
     check_a_parameter_read_twice_and_returned_gets_eager_gradients,
+    check_a_saved_flat_parameter_written_raises_as_in_eager,
+    check_a_sparse_gradient_added_to_a_dense_one,
+    check_attributes_of_a_parameter_reach_the_capture,
+    check_parameters_found_by_identity_are_found,
     check_the_graph_holds_no_parameter_accumulator,
     check_tied_parameters_take_one_stand_in,
 )
@@ -27,6 +33,30 @@ def test_a_parameter_read_twice_and_returned_gets_eager_gradients():
 
 def test_tied_parameters_take_one_stand_in():
     check_tied_parameters_take_one_stand_in("cuda")
+
+
+def test_parameters_found_by_identity_are_found():
+    check_parameters_found_by_identity_are_found("cuda")
+
+
+def test_a_capture_failing_over_stand_ins_is_made_over_the_parameters():
+    check_a_capture_failing_over_stand_ins_is_made_over_the_parameters("cuda")
+
+
+def test_attributes_of_a_parameter_reach_the_capture():
+    check_attributes_of_a_parameter_reach_the_capture("cuda")
+
+
+def test_a_sparse_gradient_added_to_a_dense_one():
+    check_a_sparse_gradient_added_to_a_dense_one("cuda")
+
+
+def test_a_forward_reading_grad_sees_each_steps():
+    check_a_forward_reading_grad_sees_each_steps("cuda")
+
+
+def test_a_saved_flat_parameter_written_raises_as_in_eager():
+    check_a_saved_flat_parameter_written_raises_as_in_eager("cuda")
 
 
 def test_a_replayed_training_step_waits_on_no_other_stream():

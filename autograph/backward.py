@@ -561,7 +561,84 @@ class _Replay(torch.autograd.Function):
             _check_needed(ctx.checked, graph, grads)
         if torch.is_grad_enabled():  # create_graph=True: gradients with a history
             return (None, None, None, *recompute.gradients(graph, ctx.leaves, grads))
-        return (None, None, None, *graph.replay_backward(call, grads, fresh))
+        got = graph.replay_backward(call, grads, fresh)
+        if None in got:
+            _quiet_hooks(graph, ctx, got)
+        return (None, None, None, *got)
+
+
+def _quiet_hooks(graph: Trained, ctx: Any, got: list[Any]) -> None:
+    """Autograd runs an input's gradient hooks even where the Function gives it no
+    gradient (None: a parameter only outputs the loss does not use reach, an
+    actor-critic's value head, Inception's auxiliary logits), and eager mode never
+    calls them then.  For this backward, each such input's hooks (``register_hook``)
+    skip a call without a gradient, and its post-accumulate hooks run only if a
+    gradient arrived from elsewhere (a tied parameter); put back when the backward
+    ends (``queue_callback``), or when its autograd graph goes if it raised."""
+    leaves = ctx.leaves
+    inputs = [leaves[i] for i in graph.sources] + graph.inputs_state
+    out = _HooksOut()
+    for t, g in zip(inputs, got):
+        if g is not None:
+            continue
+        pre = getattr(t, "_backward_hooks", None)
+        post = getattr(t, "_post_accumulate_grad_hooks", None)
+        if not pre and not post:
+            continue
+        arrived = [False]
+        if pre:
+            out.saved.append((pre, dict(pre)))
+            for k, hook in list(pre.items()):
+                pre[k] = _unless_none(hook, arrived)
+        if post:
+            if not pre:  # a hook of its own tells whether a gradient arrived
+                out.handles.append(t.register_hook(_unless_none(_nothing, arrived)))
+            out.saved.append((post, dict(post)))
+            for k, hook in list(post.items()):
+                post[k] = _if_arrived(hook, arrived)
+    if out.saved:
+        torch.autograd.Variable._execution_engine.queue_callback(out.put_back)
+        weakref.finalize(ctx, out.put_back)
+
+
+class _HooksOut:
+    """The hooks :func:`_quiet_hooks` wrapped for one backward, put back once."""
+
+    __slots__ = ("saved", "handles", "__weakref__")
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
+        self.handles: list[Any] = []
+
+    def put_back(self) -> None:
+        saved, handles, self.saved, self.handles = self.saved, self.handles, [], []
+        for handle in handles:
+            handle.remove()
+        for hooks, was in saved:
+            for k, hook in was.items():
+                if k in hooks:  # (one the user removed meanwhile stays removed)
+                    hooks[k] = hook
+
+
+def _nothing(grad: Any) -> None:
+    return None
+
+
+def _unless_none(hook: Callable[[Any], Any], arrived: list[bool]) -> Callable[[Any], Any]:
+    def quiet(grad: Any) -> Any:
+        if grad is None:
+            return None
+        arrived[0] = True
+        return hook(grad)
+
+    return quiet
+
+
+def _if_arrived(hook: Callable[[Any], Any], arrived: list[bool]) -> Callable[[Any], Any]:
+    def quiet(param: Any) -> Any:
+        return hook(param) if arrived[0] else None
+
+    return quiet
 
 
 def _check_needed(checked: tuple[list[Any], list[int | None]], graph: Trained,

@@ -416,6 +416,18 @@ def _user_module(fn: Any) -> bool:
     return str(getattr(fn, "__module__", "")).partition(".")[0] != "torch"
 
 
+class _EveryName(dict):  # type: ignore[type-arg]
+    """Attribute reads by path where the paths are not followed (an owner object's
+    attributes): every path reads every name the code uses."""
+
+    def __init__(self, names: frozenset[str] | set[str]) -> None:
+        super().__init__()
+        self.names = frozenset(names)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self.names
+
+
 def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     """Getters for the attributes of ``obj``, a plain object (not a module) whose method
     ``fn`` is graphed, that the method may read: the modules, tensors and plain values
@@ -427,8 +439,21 @@ def owner_refs(obj: Any, fn: Callable[..., Any]) -> list[tuple[Callable[[], Any]
     if not isinstance(d, (dict, AttributesView)) or not codes:
         return []
     names = _attribute_names(type(obj), codes)
-    out = [(_global_getter(d, n), d[n]) for n in sorted(names) if n in d and _trackable(d[n])]
-    out += [_fixed(m) for n in sorted(names) if n in d for m in _held_modules(d[n])]
+    out: list[tuple[Callable[[], Any], Any]] = []
+    every = _EveryName(names)  # (a namespace's attributes read: any name the code uses)
+    for n in sorted(names):
+        value = d[n] if n in d else MISSING
+        if value is MISSING or n.startswith("__"):
+            continue
+        if _trackable(value) or _function(value):
+            out.append((_global_getter(d, n), value))
+            continue
+        held = _held_modules(value)
+        out += [_fixed(m) for m in held]
+        if held or _rebindable(value):  # rebinding it is seen, as a global's
+            out.append((_global_getter(d, n), value))
+        if _namespace(value):  # (``self.opts.bias``: as a global namespace's values)
+            out += _namespace_values(value, names, every, n)
     if _user_class(type(obj)):
         out += _class_values(type(obj), {n for n in names if n not in d})
     out.append((d.__len__, len(d)))

@@ -2591,6 +2591,58 @@ def test_hooks_of_a_parameter_the_call_never_uses_are_not_called():
     check_hooks_of_a_parameter_the_call_never_uses_are_not_called()
 
 
+class _AuxHead(nn.Module):
+    """Two heads over one trunk; the aux head's bias is tied to a third layer the main
+    output reads (a tied parameter takes a gradient from elsewhere)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.main, self.aux = nn.Linear(8, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+        self.extra = nn.Linear(3, 3)
+        self.extra.bias = self.aux.bias
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.extra(self.main(h)), self.aux(h)
+
+
+def check_hooks_of_parameters_only_unused_outputs_reach(device="cpu"):
+    """A loss on the main output only (Inception's auxiliary logits in train mode, an
+    actor-critic's value head): eager never calls the hooks of the aux head's weight,
+    and calls the tied bias's with its gradient from the main output; the replays
+    called the first with None (a clipping hook raised, an optimizer step in a
+    post-accumulate hook stepped with a stale gradient)."""
+    torch.manual_seed(0)
+    eager = _AuxHead().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    calls = {"eager": [], "graphed": []}
+    for name, m in (("eager", eager), ("graphed", g)):
+        for pname, p in m.named_parameters():
+            p.register_hook(lambda grad, name=name, pname=pname:
+                            calls[name].append(("pre", pname, grad is None)) or grad.clamp(-1, 1))
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name, pname=pname: calls[name].append(("post", pname)))
+    for i in range(6):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i)).to(device)
+        for name, m in (("eager", eager), ("graphed", g)):
+            m.zero_grad()
+            calls[name].clear()
+            main, aux = m(x)
+            loss = main.square().mean() + (aux.square().mean() if i == 0 else 0)
+            loss.backward()
+        assert sorted(calls["graphed"]) == sorted(calls["eager"]), calls
+        for p, q in zip(eager.parameters(), g.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6)
+    assert ("pre", "aux.weight", False) not in calls["graphed"]
+    assert autograph.stats(g)["backward_replays"] >= 2, autograph.stats(g)
+
+
+def test_hooks_of_parameters_only_unused_outputs_reach(standin):
+    check_hooks_of_parameters_only_unused_outputs_reach()
+
+
 class _Policy(nn.Module):
     def __init__(self):
         super().__init__()

@@ -678,6 +678,44 @@ def test_a_plain_object_method_reads_its_attributes(standin):
     check_plain_object_method_reads_its_attributes()
 
 
+class Predictor:
+    """A plain object whose graphed method reads a function, a dict and a namespace it
+    holds, as a function reads globals."""
+
+    def __init__(self, model):
+        self.model = model
+        self.act = torch.relu
+        self.cfg = {"scale": 1.0}
+        self.ns = types.SimpleNamespace(bias=0.0, inner=types.SimpleNamespace(k=1.0))
+
+    @autograph.graphed
+    def step(self, x):
+        return self.act(self.model(x)) * self.cfg["scale"] * self.ns.inner.k + self.ns.bias
+
+    def eager(self, x):
+        return self.act(self.model(x)) * self.cfg["scale"] * self.ns.inner.k + self.ns.bias
+
+
+def check_an_owners_functions_dicts_and_namespaces_are_guarded(device="cpu"):
+    torch.manual_seed(0)
+    p = Predictor(nn.Linear(4, 4).to(device).eval())
+    changes = [lambda: setattr(p, "act", torch.tanh), lambda: setattr(p, "cfg", {"scale": 3.0}),
+               lambda: setattr(p.ns, "bias", 5.0), lambda: setattr(p.ns.inner, "k", 2.0)]
+    with torch.no_grad():
+        for change in [None, *changes]:
+            if change is not None:
+                change()
+            for _ in range(4):
+                x = torch.randn(2, 4, device=device)
+                torch.testing.assert_close(p.step(x), p.eager(x))
+    st = autograph.stats(p.step)
+    assert st["replays"] >= 5 and st["invalidations"] >= 4, st
+
+
+def test_an_owners_functions_dicts_and_namespaces_are_guarded(standin):
+    check_an_owners_functions_dicts_and_namespaces_are_guarded()
+
+
 @dataclasses.dataclass
 class Opts:
     scale: float = 2.0

@@ -30,6 +30,7 @@ from ..test_backward import (
     check_double_backward,
     check_frozen_model_unfrozen,
     check_hooks_of_a_parameter_the_call_never_uses_are_not_called,
+    check_hooks_of_parameters_only_unused_outputs_reach,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -265,3 +266,7 @@ def test_hooks_of_a_parameter_the_call_never_uses_are_not_called():
 
 def test_an_output_saved_only_by_an_unreached_node_may_be_written():
     check_an_output_saved_only_by_an_unreached_node_may_be_written("cuda")
+
+
+def test_hooks_of_parameters_only_unused_outputs_reach():
+    check_hooks_of_parameters_only_unused_outputs_reach("cuda")

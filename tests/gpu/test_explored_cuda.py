@@ -30,6 +30,7 @@ from ..test_buckets import (
 )
 from ..test_guards import (
     check_a_host_inference_tensor_read_by_a_graph,
+    check_an_owners_functions_dicts_and_namespaces_are_guarded,
     check_global_named_like_an_attribute,
     check_plain_object_method_reads_its_attributes,
 )
@@ -781,6 +782,10 @@ def test_bucket_output_derived_from_the_batch_size_keeps_eager_values():
 
 def test_a_host_inference_tensor_read_by_a_graph():
     check_a_host_inference_tensor_read_by_a_graph(dev)
+
+
+def test_an_owners_functions_dicts_and_namespaces_are_guarded():
+    check_an_owners_functions_dicts_and_namespaces_are_guarded(dev)
 
 
 def test_a_returned_torch_size_stays_a_torch_size():

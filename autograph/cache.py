@@ -20,7 +20,6 @@ import torch
 from .flat import Flat
 from .keys import GraphKey, sharing
 from .memo import KeyMemo
-from .mutation import storage_ptr
 from .objects import ObjectKey
 from .options import Options
 from .stats import Stats
@@ -368,11 +367,20 @@ def _shares(flat: Flat) -> bool:
 
 
 def _sharing(flat: Flat, positions: set[int]) -> set[int]:
-    """``positions`` and every tensor argument that shares storage with one of them."""
+    """``positions`` and every tensor argument whose storage shares memory with one of
+    theirs: the same storage, or another over overlapping memory (``from_numpy`` or
+    ``from_dlpack`` of overlapping slices of one buffer)."""
     leaves = flat.leaves
-    storages = {storage_ptr(leaves[i]) for i in positions if leaves[i].numel()}
-    return positions | {i for i in flat.tensor_pos
-                        if leaves[i].numel() and storage_ptr(leaves[i]) in storages}
+    spans = [_storage_span(leaves[i]) for i in positions if leaves[i].numel()]
+    return positions | {i for i in flat.tensor_pos if leaves[i].numel() and any(
+        lo < hi_w and lo_w < hi for lo, hi in [_storage_span(leaves[i])] for lo_w, hi_w in spans)}
+
+
+def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+    """The memory ``t``'s storage covers: [start, end) (at least one byte)."""
+    storage = t.untyped_storage()
+    start = storage.data_ptr()
+    return start, start + max(1, storage.nbytes())
 
 
 def _address(t: torch.Tensor) -> Any:

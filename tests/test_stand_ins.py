@@ -313,6 +313,8 @@ class ByIdentity(nn.Module):
 def check_parameters_found_by_identity_are_found(device: str):
     torch.manual_seed(0)
     model = ByIdentity().to(device)
+    model.masks = {model.a.weight: model.masks[model.a.weight].to(device)}
+    model.by_id = {id(model.b.weight): model.by_id[id(model.b.weight)].to(device)}
     twin = copy.deepcopy(model)
     twin.no_decay = {twin.a.bias, twin.b.bias}
     twin.masks = {twin.a.weight: model.masks[model.a.weight]}

@@ -166,6 +166,27 @@ def test_overlapping_ranges_from_the_first_call():
     counts(g)
 
 
+def test_overlapping_memory_through_other_storage_objects_from_the_first_call():
+    """f(a, b) with ``a`` and ``b`` numpy-backed slices of one buffer overlapping in
+    memory (two storage objects): the read argument saw a stale copy, and the capture
+    call wrote that copy back over the caller's memory, undoing the write through
+    ``a``.  Both are captured at their addresses now."""
+    import numpy as np
+
+    g = autograph.graphed(read_write)
+    buf, ref = np.zeros(10, dtype=np.float32), np.zeros(10, dtype=np.float32)
+    x, y = torch.from_numpy(buf[3:9]), torch.from_numpy(buf[:6])
+    rx, ry = torch.from_numpy(ref[3:9]), torch.from_numpy(ref[:6])
+    rng = np.random.default_rng(0)
+    with torch.no_grad():
+        for _ in range(CALLS):
+            buf[:] = ref[:] = rng.standard_normal(10).astype(np.float32)
+            out = g(x, y)
+            torch.testing.assert_close(out, read_write(rx, ry))
+            np.testing.assert_allclose(buf, ref, rtol=1e-6)
+    replayed(g)
+
+
 def test_the_aliasing_pattern_is_part_of_the_key():
     """A Python decision on ``a is b`` is baked into a graph: (x, x) and (x, y) of the
     same shapes must not share one, in either order; read-only aliases may replay."""

@@ -818,3 +818,26 @@ def test_host_buffer_and_global_of_a_device_model_written_in_place():
 
 
 SHIFT = torch.tensor(0.0)
+
+
+def test_overlapping_memory_through_other_storage_objects():
+    """tests/test_usage.py's numpy case with DLPack views on CUDA: two storage objects
+    over overlapping memory, one written by the call, stay right on every call."""
+    def read_write(x, out):
+        out.mul_(0.5)
+        out.add_(x * 2)
+        return out
+
+    g = autograph.graphed(read_write)
+    mem, ref = torch.zeros(10, device=dev), torch.zeros(10, device=dev)
+    x, y = torch.from_dlpack(mem[3:9]), torch.from_dlpack(mem[:6])
+    rx, ry = torch.from_dlpack(ref[3:9]), torch.from_dlpack(ref[:6])
+    assert x.untyped_storage().data_ptr() != y.untyped_storage().data_ptr()
+    with torch.no_grad():
+        for _ in range(8):
+            v = torch.randn(10, device=dev)
+            mem.copy_(v)
+            ref.copy_(v)
+            torch.testing.assert_close(g(x, y), read_write(rx, ry))
+            torch.testing.assert_close(mem, ref)
+    need(g, 2)

@@ -41,6 +41,7 @@ training:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -571,53 +572,80 @@ def _quiet_hooks(graph: Trained, ctx: Any, got: list[Any]) -> None:
     """Autograd runs an input's gradient hooks even where the Function gives it no
     gradient (None: a parameter only outputs the loss does not use reach, an
     actor-critic's value head, Inception's auxiliary logits), and eager mode never
-    calls them then.  For this backward, each such input's hooks (``register_hook``)
-    skip a call without a gradient, and its post-accumulate hooks run only if a
-    gradient arrived from elsewhere (a tied parameter); put back when the backward
-    ends (``queue_callback``), or when its autograd graph goes if it raised."""
+    calls them then.  While a backward that gives such an input None runs, its hooks
+    (``register_hook``) skip a call without a gradient, and its post-accumulate hooks
+    run only when a gradient arrived (a tied parameter's, from elsewhere); put back
+    when the backward ends (``queue_callback``), or when its autograd graph goes if it
+    raised.  Several such backwards at once share one quieting per tensor."""
     leaves = ctx.leaves
     inputs = [leaves[i] for i in graph.sources] + graph.inputs_state
-    out = _HooksOut()
-    for t, g in zip(inputs, got):
-        if g is not None:
-            continue
+    mine: list[_Quiet] = []
+    with _QUIET_LOCK:
+        for t, g in zip(inputs, got):
+            if g is None and (getattr(t, "_backward_hooks", None)
+                              or getattr(t, "_post_accumulate_grad_hooks", None)):
+                quiet = _QUIETED.get(id(t))
+                if quiet is None:
+                    quiet = _QUIETED[id(t)] = _Quiet(t)
+                quiet.users += 1
+                mine.append(quiet)
+    if mine:
+        done = _Release(mine)
+        torch.autograd.Variable._execution_engine.queue_callback(done)
+        weakref.finalize(ctx, done)
+
+
+_QUIET_LOCK = threading.Lock()
+_QUIETED: dict[int, _Quiet] = {}  # a tensor's id: its hooks' quieting, while used
+
+
+class _Quiet:
+    """One tensor's hooks, wrapped (see :func:`_quiet_hooks`) until its last user is done."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.id = id(t)
+        self.users = 0
+        self.arrived = [False]  # whether the accumulation running now has a gradient
+        self.wrapped: list[tuple[dict[Any, Any], Any, Any, Any]] = []
+        self.handle: Any = None
         pre = getattr(t, "_backward_hooks", None)
         post = getattr(t, "_post_accumulate_grad_hooks", None)
-        if not pre and not post:
-            continue
-        arrived = [False]
         if pre:
-            out.saved.append((pre, dict(pre)))
             for k, hook in list(pre.items()):
-                pre[k] = _unless_none(hook, arrived)
-        if post:
-            if not pre:  # a hook of its own tells whether a gradient arrived
-                out.handles.append(t.register_hook(_unless_none(_nothing, arrived)))
-            out.saved.append((post, dict(post)))
+                self._wrap(pre, k, hook, _unless_none(hook, self.arrived))
+        if post:  # the last pre-hook tells whether this accumulation has a gradient
+            self.handle = t.register_hook(_unless_none(_nothing, self.arrived))
             for k, hook in list(post.items()):
-                post[k] = _if_arrived(hook, arrived)
-    if out.saved:
-        torch.autograd.Variable._execution_engine.queue_callback(out.put_back)
-        weakref.finalize(ctx, out.put_back)
+                self._wrap(post, k, hook, _if_arrived(hook, self.arrived))
 
-
-class _HooksOut:
-    """The hooks :func:`_quiet_hooks` wrapped for one backward, put back once."""
-
-    __slots__ = ("saved", "handles", "__weakref__")
-
-    def __init__(self) -> None:
-        self.saved: list[tuple[dict[Any, Any], dict[Any, Any]]] = []
-        self.handles: list[Any] = []
+    def _wrap(self, hooks: dict[Any, Any], k: Any, hook: Any, wrapper: Any) -> None:
+        hooks[k] = wrapper
+        self.wrapped.append((hooks, k, hook, wrapper))
 
     def put_back(self) -> None:
-        saved, handles, self.saved, self.handles = self.saved, self.handles, [], []
-        for handle in handles:
-            handle.remove()
-        for hooks, was in saved:
-            for k, hook in was.items():
-                if k in hooks:  # (one the user removed meanwhile stays removed)
-                    hooks[k] = hook
+        if self.handle is not None:
+            self.handle.remove()
+        for hooks, k, hook, wrapper in self.wrapped:
+            if hooks.get(k) is wrapper:  # (one removed or replaced meanwhile stays so)
+                hooks[k] = hook
+
+
+class _Release:
+    """The end of one backward's use of its quietings (called once)."""
+
+    __slots__ = ("quiets", "__weakref__")
+
+    def __init__(self, quiets: list[_Quiet]) -> None:
+        self.quiets = quiets
+
+    def __call__(self) -> None:
+        with _QUIET_LOCK:
+            quiets, self.quiets = self.quiets, []
+            for quiet in quiets:
+                quiet.users -= 1
+                if quiet.users == 0 and _QUIETED.get(quiet.id) is quiet:
+                    del _QUIETED[quiet.id]
+                    quiet.put_back()
 
 
 def _nothing(grad: Any) -> None:
@@ -626,10 +654,8 @@ def _nothing(grad: Any) -> None:
 
 def _unless_none(hook: Callable[[Any], Any], arrived: list[bool]) -> Callable[[Any], Any]:
     def quiet(grad: Any) -> Any:
-        if grad is None:
-            return None
-        arrived[0] = True
-        return hook(grad)
+        arrived[0] = grad is not None
+        return None if grad is None else hook(grad)
 
     return quiet
 

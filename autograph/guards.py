@@ -113,7 +113,13 @@ def _host_stamp(t: torch.Tensor) -> Any:
 def _same_stamp(t: torch.Tensor, stamp: Any) -> bool:
     if isinstance(stamp, int):
         return t._version == stamp
-    return t.shape == stamp.shape and bool(torch.equal(t, stamp))
+    if t.shape != stamp.shape:
+        return False
+    if t.is_floating_point() or t.is_complex():  # NaN equal to NaN
+        nan = t.isnan()
+        return bool(torch.equal(nan, stamp.isnan())
+                    and torch.equal(t.masked_fill(nan, 0), stamp.masked_fill(nan, 0)))
+    return bool(torch.equal(t, stamp))
 
 
 class Watch:

@@ -12,6 +12,7 @@ outside the arguments and parameters) raises :class:`Uncapturable`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -318,6 +319,8 @@ class StandIns:
             return
         modules = watch.every_module()
         known = _known_by_identity(modules)
+        if known is None:
+            return
         for m in modules:
             d = m.__dict__.get("_parameters")
             if not isinstance(d, dict) or isinstance(m, nn.RNNBase):
@@ -402,34 +405,44 @@ def _parametrize_cached() -> bool:
     return bool(getattr(parametrize, "_cache_enabled", 0))
 
 
-_CONTAINERS = (list, tuple, set, frozenset, dict)
-MAX_HELD = 10_000  # values looked at in the modules' containers
+_CONTAINERS = (list, tuple, set, frozenset, dict, collections.deque)
+# containers, and items in them, looked into in the modules' attributes; past either,
+# no parameter takes a stand-in
+MAX_HELD = 10_000
+MAX_ITEMS = 200_000
+# nn.Module's own attributes (its hook dicts, ``_parameters``...): not the user's
+_MODULE_OWN = frozenset(vars(nn.Module()))
 
 
-def _known_by_identity(modules: list[nn.Module]) -> set[int]:
-    """The ids of the tensors, and the integers, that the modules hold in plain
-    containers of their own (``self.no_decay = {self.bias}``, ``self.masks = {w: m}``,
-    ``{id(w): m}``): code that finds a parameter by identity there would not find its
-    stand-in, so such parameters keep none (their accumulators stay on the capture's
-    stream, as before stand-ins)."""
-    found: set[int] = set()
+def _known_by_identity(modules: list[nn.Module]) -> set[int] | None:
+    """The ids of what the modules hold in plain containers of their own, at any depth
+    (``self.no_decay = {self.bias}``, ``self.masks = {w: m}``), and the integers their
+    dicts and sets hold (``{id(w): m}``): code that finds a parameter by identity there
+    would not find its stand-in, so such parameters keep none (their accumulators stay
+    on the capture's stream, as before stand-ins).  None where the containers are too
+    many or too large to look through (then no parameter takes a stand-in)."""
+    ids: set[int] = set()
     todo: list[Any] = []
     for m in modules:
         todo += [v for k, v in vars(m).items()
-                 if k not in ("_parameters", "_buffers", "_modules") and isinstance(v, _CONTAINERS)]
-    seen = 0
-    while todo and seen < MAX_HELD:
-        v = todo.pop()
-        seen += 1
-        if isinstance(v, torch.Tensor):
-            found.add(id(v))
-        elif isinstance(v, int):
-            found.add(v)
-        elif isinstance(v, dict):
-            todo += list(v.keys()) + list(v.values())
-        elif isinstance(v, _CONTAINERS):
-            todo += list(v)
-    return found
+                 if k not in _MODULE_OWN and isinstance(v, _CONTAINERS) and v]
+    seen: set[int] = set()
+    budget = MAX_ITEMS
+    while todo:
+        box = todo.pop()
+        if id(box) in seen:
+            continue
+        seen.add(id(box))
+        budget -= len(box)
+        if budget < 0 or len(seen) > MAX_HELD:
+            return None
+        items = [*box.keys(), *box.values()] if isinstance(box, dict) else box
+        ids.update(map(id, items))
+        if isinstance(box, (dict, set, frozenset)):  # hashable: ints among them
+            ids.update(k for k in (box.keys() if isinstance(box, dict) else box)
+                       if type(k) is int)
+        todo += [v for v in items if isinstance(v, _CONTAINERS) and v]
+    return ids
 
 
 class _Viewed(dict):  # type: ignore[type-arg]
@@ -579,15 +592,18 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 def _holding(tensors: Collection[torch.Tensor], t: torch.Tensor) -> Collection[torch.Tensor]:
-    """Of the state tensors over one storage, those whose memory holds all of ``t``'s
-    (the one parameter of a flat buffer that an operator saved); all of them where none
-    does (a saved tensor spanning several)."""
+    """Of the state tensors over one storage, the tightest whose memory holds all of
+    ``t``'s (the one parameter of a flat buffer that an operator saved, not the buffer
+    holding them all); all of them where none does (a saved tensor spanning several)."""
     if len(tensors) < 2:
         return tensors
     lo = t.data_ptr()
     hi = lo + _span(t)
     inside = [s for s in tensors if s.data_ptr() <= lo and hi <= s.data_ptr() + _span(s)]
-    return inside or tensors
+    if not inside:
+        return tensors
+    tightest = min(_span(s) for s in inside)  # (the parameter, not the flat buffer)
+    return [s for s in inside if _span(s) == tightest]
 
 
 def _span(t: torch.Tensor) -> int:

@@ -2643,6 +2643,38 @@ def test_hooks_of_parameters_only_unused_outputs_reach(standin):
     check_hooks_of_parameters_only_unused_outputs_reach()
 
 
+def check_post_hooks_after_two_calls_in_one_backward(device="cpu"):
+    """Two calls in one backward, the loss on the main output of both: the aux head's
+    post-accumulate hook (only) is quieted by both, and runs again, as eager's, once a
+    later loss uses the aux output (the two quietings were put back out of order and
+    left it quiet for good)."""
+    torch.manual_seed(0)
+    eager = _AuxHead().to(device)
+    g = autograph.graphed(copy.deepcopy(eager))
+    calls = {"eager": [], "graphed": []}
+    for name, m in (("eager", eager), ("graphed", g)):
+        m.aux.weight.register_post_accumulate_grad_hook(
+            lambda p, name=name: calls[name].append(1))
+    for i in range(8):
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(2 * i + k)).to(device)
+              for k in range(2)]
+        for name, m in (("eager", eager), ("graphed", g)):
+            m.zero_grad()
+            calls[name].append(i)
+            if i < 4:  # two micro-batches, the main loss only
+                loss = m(xs[0])[0].square().mean() + m(xs[1])[0].square().mean()
+            else:
+                main, aux = m(xs[0])
+                loss = main.square().mean() + aux.square().mean()
+            loss.backward()
+    assert calls["graphed"] == calls["eager"], calls
+    assert autograph.stats(g)["backward_replays"] >= 4, autograph.stats(g)
+
+
+def test_post_hooks_after_two_calls_in_one_backward(standin):
+    check_post_hooks_after_two_calls_in_one_backward()
+
+
 class _Policy(nn.Module):
     def __init__(self):
         super().__init__()

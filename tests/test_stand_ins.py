@@ -457,6 +457,7 @@ def flat_parameters(model):
     for p in model.parameters():
         p.data = flat[at:at + p.numel()].view_as(p)
         at += p.numel()
+    model.register_buffer("flat", flat)  # the buffer too, as such setups keep it
     return model
 
 
@@ -482,6 +483,12 @@ def check_a_saved_flat_parameter_written_raises_as_in_eager(device: str):
         raised.append(row)
     assert raised == [[True, True]] * 5, raised
     assert autograph.stats(g)["replays"] >= 2
+    for _ in range(3):  # the buffer's bias end written: no saved parameter's counter
+        for m in (g, twin):
+            y = m(x).square().sum()
+            with torch.no_grad():
+                (model if m is g else twin).flat[-1:].mul_(1.0)
+            y.backward()
 
 
 def test_a_saved_flat_parameter_written_raises_as_in_eager(standin):
@@ -515,3 +522,21 @@ def test_parametrize_cached_around_a_training_call(standin):
             loss.backward()
         for p, q in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_too_many_held_values_to_look_through_take_no_stand_ins(standin):
+    """A module holding more than ``MAX_ITEMS`` values in its containers (a token table)
+    next to a parameter found by identity: nothing is looked through, and no parameter
+    takes a stand-in (the identity lookup stays right)."""
+    from autograph import training
+
+    torch.manual_seed(0)
+    model = ByIdentity()
+    model.table = list(range(training.MAX_ITEMS + 1))
+    assert training._known_by_identity([model]) is None
+    twin = copy.deepcopy(model)
+    twin.no_decay = {twin.a.bias, twin.b.bias}
+    twin.masks = {twin.a.weight: model.masks[model.a.weight]}
+    twin.by_id = {id(twin.b.weight): model.by_id[id(model.b.weight)]}
+    inputs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    train_alike(model, twin, inputs, loss=lambda out: out[0].square().sum() + 0.1 * out[1])

@@ -31,6 +31,7 @@ from ..test_backward import (
     check_frozen_model_unfrozen,
     check_hooks_of_a_parameter_the_call_never_uses_are_not_called,
     check_hooks_of_parameters_only_unused_outputs_reach,
+    check_post_hooks_after_two_calls_in_one_backward,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -270,3 +271,7 @@ def test_an_output_saved_only_by_an_unreached_node_may_be_written():
 
 def test_hooks_of_parameters_only_unused_outputs_reach():
     check_hooks_of_parameters_only_unused_outputs_reach("cuda")
+
+
+def test_post_hooks_after_two_calls_in_one_backward():
+    check_post_hooks_after_two_calls_in_one_backward("cuda")

@@ -16,6 +16,19 @@ from timing import best  # tools/timing.py (tools run as scripts)
 from autograph import modes
 
 
+def copy_graph(out, buf):
+    """A CUDA graph of one node: ``buf.copy_(out)`` (warmed up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        buf.copy_(out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        buf.copy_(out)
+    return graph
+
+
 def main():
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -25,14 +38,7 @@ def main():
             "copy_ into a kept buffer + detach": lambda: (buf.copy_(out), buf.detach()),
             "copy_ into a kept buffer": lambda: buf.copy_(out)}
     if cuda:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            buf.copy_(out)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            buf.copy_(out)
+        graph = copy_graph(out, buf)
         rows["copy graph replay"] = graph.replay
         rows["copy graph replay + detach"] = lambda: (graph.replay(), buf.detach())
     read = modes.reader(torch.device(device))

@@ -11,6 +11,7 @@ import argparse
 import statistics
 
 import torch
+from handout import copy_graph  # tools/handout.py
 from train_gap import timed as burst  # tools/train_gap.py (tools run as scripts)
 from train_phases import setup
 from train_ratio import quantile
@@ -36,15 +37,7 @@ def swap(graphed, how):
             return buf.detach()
         single.clone = copied
     elif how == "copy graph":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            buf.copy_(single)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            buf.copy_(single)
-        replay = graph.replay
+        replay = copy_graph(single, buf).replay
 
         def replayed():
             replay()

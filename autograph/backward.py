@@ -600,31 +600,46 @@ _QUIETED: dict[int, _Quiet] = {}  # a tensor's id: its hooks' quieting, while us
 
 
 class _Quiet:
-    """One tensor's hooks, wrapped (see :func:`_quiet_hooks`) until its last user is done."""
+    """One tensor's hooks, quieted (see :func:`_quiet_hooks`) until its last user is
+    done: a hook of its own, first of its pre-hooks, notes whether the accumulation
+    running has a gradient and wraps every hook not wrapped yet (those registered
+    since, during the backward too: autograd reads the hook dicts as it calls them)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.id = id(t)
         self.users = 0
         self.arrived = [False]  # whether the accumulation running now has a gradient
         self.wrapped: list[tuple[dict[Any, Any], Any, Any, Any]] = []
-        self.handle: Any = None
-        pre = getattr(t, "_backward_hooks", None)
-        post = getattr(t, "_post_accumulate_grad_hooks", None)
-        if pre:
-            for k, hook in list(pre.items()):
-                self._wrap(pre, k, hook, _unless_none(hook, self.arrived))
-        if post:  # the last pre-hook tells whether this accumulation has a gradient
-            self.handle = t.register_hook(_unless_none(_nothing, self.arrived))
-            for k, hook in list(post.items()):
-                self._wrap(post, k, hook, _if_arrived(hook, self.arrived))
+        self.mine: set[int] = set()  # ids of the wrappers
+        self.tensor = weakref.ref(t)
+        self.handle = t.register_hook(self._first)
+        hooks: Any = t._backward_hooks  # (an OrderedDict: called in its order)
+        if hasattr(hooks, "move_to_end"):
+            hooks.move_to_end(self.handle.id, last=False)
+        self._wrap_new()
 
-    def _wrap(self, hooks: dict[Any, Any], k: Any, hook: Any, wrapper: Any) -> None:
-        hooks[k] = wrapper
-        self.wrapped.append((hooks, k, hook, wrapper))
+    def _first(self, grad: Any) -> None:
+        self.arrived[0] = grad is not None
+        self._wrap_new()
+
+    def _wrap_new(self) -> None:
+        t = self.tensor()
+        if t is None:
+            return
+        for hooks, quiet in ((t._backward_hooks, _unless_none),
+                             (getattr(t, "_post_accumulate_grad_hooks", None), _if_arrived)):
+            if not hooks:
+                continue
+            for k, hook in list(hooks.items()):
+                if k == self.handle.id or id(hook) in self.mine:
+                    continue
+                wrapper = quiet(hook, self.arrived)
+                hooks[k] = wrapper
+                self.mine.add(id(wrapper))
+                self.wrapped.append((hooks, k, hook, wrapper))
 
     def put_back(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
+        self.handle.remove()
         for hooks, k, hook, wrapper in self.wrapped:
             if hooks.get(k) is wrapper:  # (one removed or replaced meanwhile stays so)
                 hooks[k] = hook
@@ -648,13 +663,8 @@ class _Release:
                     quiet.put_back()
 
 
-def _nothing(grad: Any) -> None:
-    return None
-
-
 def _unless_none(hook: Callable[[Any], Any], arrived: list[bool]) -> Callable[[Any], Any]:
     def quiet(grad: Any) -> Any:
-        arrived[0] = grad is not None
         return None if grad is None else hook(grad)
 
     return quiet

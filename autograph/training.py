@@ -16,6 +16,8 @@ import collections
 import contextlib
 import functools
 import threading
+import types
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -405,7 +407,8 @@ def _parametrize_cached() -> bool:
     return bool(getattr(parametrize, "_cache_enabled", 0))
 
 
-_CONTAINERS = (list, tuple, set, frozenset, dict, collections.deque)
+_CONTAINERS = (list, tuple, set, frozenset, dict, collections.deque, types.MappingProxyType,
+               weakref.WeakSet)
 # containers, and items in them, looked into in the modules' attributes; past either,
 # no parameter takes a stand-in
 MAX_HELD = 10_000
@@ -436,12 +439,17 @@ def _known_by_identity(modules: list[nn.Module]) -> set[int] | None:
         budget -= len(box)
         if budget < 0 or len(seen) > MAX_HELD:
             return None
-        items = [*box.keys(), *box.values()] if isinstance(box, dict) else box
+        items = [*box.keys(), *box.values()] if isinstance(box, (dict, types.MappingProxyType)) \
+            else list(box)
         ids.update(map(id, items))
-        if isinstance(box, (dict, set, frozenset)):  # hashable: ints among them
-            ids.update(k for k in (box.keys() if isinstance(box, dict) else box)
-                       if type(k) is int)
-        todo += [v for v in items if isinstance(v, _CONTAINERS) and v]
+        for v in items:
+            if type(v) is int:  # (``[id(w)]``, ``{id(w): m}``)
+                ids.add(v)
+            elif isinstance(v, _CONTAINERS):
+                if v:
+                    todo.append(v)
+            elif type(v) is weakref.ref:  # (``[weakref.ref(w)]``)
+                ids.add(id(v()))
     return ids
 
 

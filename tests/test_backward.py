@@ -2675,6 +2675,31 @@ def test_post_hooks_after_two_calls_in_one_backward(standin):
     check_post_hooks_after_two_calls_in_one_backward()
 
 
+def test_hooks_registered_during_a_quieted_backward_are_quieted(standin):
+    """A hook of the main head registers post-accumulate hooks on the aux head's weight
+    during a backward that gives it no gradient: eager never runs them."""
+    torch.manual_seed(0)
+    eager = _AuxHead()
+    g = autograph.graphed(copy.deepcopy(eager))
+    calls = {"eager": [], "graphed": []}
+    for name, m in (("eager", eager), ("graphed", g)):
+        m.aux.weight.register_hook(lambda grad: grad)
+
+        def adds(grad, name=name, m=m):
+            m.aux.weight.register_post_accumulate_grad_hook(
+                lambda p, name=name: calls[name].append(p.grad is None))
+            return grad
+
+        m.main.weight.register_hook(adds)
+    for i in range(6):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        for m in (eager, g):
+            m.zero_grad()
+            m(x)[0].square().mean().backward()
+    assert calls["graphed"] == calls["eager"] == [], calls
+    assert autograph.stats(g)["backward_replays"] >= 3, autograph.stats(g)
+
+
 class _Policy(nn.Module):
     def __init__(self):
         super().__init__()

@@ -563,7 +563,7 @@ class _Replay(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: gradients with a history
             return (None, None, None, *recompute.gradients(graph, ctx.leaves, grads))
         got = graph.replay_backward(call, grads, fresh)
-        if None in got:
+        if any(g is None for g in got):
             _quiet_hooks(graph, ctx, got)
         return (None, None, None, *got)
 

@@ -267,10 +267,11 @@ def test_warmups_overlapping_on_two_threads_leave_autograd_unpatched(standin):
             torch.Tensor.register_hook) == originals
 
 
-def train_alike(model, twin, inputs, loss=lambda out: out.square().sum(), min_backward=2):
-    """Train ``model`` graphed and ``twin`` eagerly on ``inputs``: losses and every
-    gradient equal, and the graphs replayed forward and backward."""
-    g = autograph.graphed(model)
+def train_alike(model, twin, inputs, loss=lambda out: out.square().sum(), min_backward=2,
+                **options):
+    """Train ``model`` graphed (with ``options``) and ``twin`` eagerly on ``inputs``:
+    losses and every gradient equal, and the graphs replayed forward and backward."""
+    g = autograph.graphed(model, **options)
     for x in inputs:
         losses = []
         for m in (g, twin):
@@ -359,6 +360,50 @@ def check_a_capture_failing_over_stand_ins_is_made_over_the_parameters(device: s
 def test_a_capture_failing_over_stand_ins_is_made_over_the_parameters(standin):
     # over stand-ins the lookup raises KeyError: the caller must not see it
     check_a_capture_failing_over_stand_ins_is_made_over_the_parameters("cpu")
+
+
+class SetsUpOnce(nn.Module):
+    """At its first call caches a tensor filled in place (a rotary table, a mask) and,
+    with ``hook``, registers a forward hook on a submodule (as transformers' output
+    capturing does): with ``warmup=0`` the first call is a capture, over stand-ins,
+    that fails on the assignment.  What its Python set up (a tensor no kernel filled,
+    a hook) must be undone before the capture over the parameters, or the graph bakes
+    that tensor in (garbage) and the hook is registered twice."""
+
+    def __init__(self, hook=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = None
+        self.hook = hook
+
+    def forward(self, x):
+        if self.scale is None:
+            scale = torch.empty(4, device=x.device)
+            scale.fill_(2.0)
+            self.scale = scale
+            if self.hook:
+                self.lin.register_forward_hook(lambda mod, args, out: out + 1)
+        return self.lin(x) * self.scale
+
+
+def check_a_set_up_at_the_first_call_with_warmup_0(device: str):
+    torch.manual_seed(0)
+    model = SetsUpOnce().to(device)
+    twin = copy.deepcopy(model)
+    inputs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)).to(device)
+              for i in range(6)]
+    train_alike(model, twin, inputs, warmup=0)
+    # registering a hook: its calls run eagerly (module hooks), with the hook once
+    model = SetsUpOnce(hook=True).to(device)
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model, warmup=0)
+    for x in inputs:
+        torch.testing.assert_close(g(x), twin(x))
+    assert len(model.lin._forward_hooks) == len(twin.lin._forward_hooks) == 1
+
+
+def test_a_set_up_at_the_first_call_with_warmup_0(standin):
+    check_a_set_up_at_the_first_call_with_warmup_0("cpu")
 
 
 class Scaled(nn.Module):

@@ -13,6 +13,7 @@ from ..test_stand_ins import (
     check_a_forward_reading_grad_sees_each_steps,
     check_a_parameter_read_twice_and_returned_gets_eager_gradients,
     check_a_saved_flat_parameter_written_raises_as_in_eager,
+    check_a_set_up_at_the_first_call_with_warmup_0,
     check_a_sparse_gradient_added_to_a_dense_one,
     check_attributes_of_a_parameter_reach_the_capture,
     check_parameters_found_by_identity_are_found,
@@ -82,3 +83,7 @@ def test_a_replayed_training_step_waits_on_no_other_stream():
     assert autograph.stats(g)["backward_replays"] == before + 3
     waits = [e for e in prof.key_averages() if e.key == "cudaStreamWaitEvent"]
     assert sum(e.count for e in waits) == 0, [(e.key, e.count) for e in waits]
+
+
+def test_a_set_up_at_the_first_call_with_warmup_0():
+    check_a_set_up_at_the_first_call_with_warmup_0("cuda")

@@ -224,11 +224,12 @@ def capture(engine: Engine, key: GraphKey, entry: Entry, flat: Flat, backend: Ba
             stats.count_eager(EagerReason.IN_PLACE, warn=False)
             return engine.eager(*flat.call())
         except Uncapturable as exc:
-            if entry.direct and (exc.reason is EagerReason.CAPTURE_FAILED
-                                 or lifecycle.changed_once(exc)):
-                # captured without warming up (a key known before an invalidation),
-                # where the call fails or sets something up once (an RNN's flat weights
-                # after its parameters were replaced): warm up first, learning again
+            if (entry.direct and exc.reason is EagerReason.CAPTURE_FAILED) or (
+                    (entry.direct or not entry.runs) and lifecycle.changed_once(exc)):
+                # captured without warming up (a key known before an invalidation, or
+                # ``warmup=0``), where the call fails or sets something up once (an
+                # RNN's flat weights after its parameters were replaced, a tensor
+                # cached at the first call): warm up first, learning again
                 entry.direct, entry.runs = False, 0
                 return warm(engine, key, entry, flat, backend, device)
             return _capture_failed(engine, entry, flat, _unseen_grad(engine, key, exc))

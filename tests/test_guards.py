@@ -2458,3 +2458,36 @@ def test_a_host_inference_tensor_read_by_a_graph(standin, monkeypatch):
     monkeypatch.setattr(guards.Watch, "guard_hidden", lambda self, tensors, device:
                         original(self, tensors, torch.device("meta")))
     check_a_host_inference_tensor_read_by_a_graph()
+
+
+class CachesOnce(nn.Module):
+    """Caches a table at its first call (Phi-3's long-rope frequencies, a mask)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.table = None
+
+    def forward(self, x):
+        if self.table is None:
+            self.table = torch.arange(4, device=x.device, dtype=x.dtype) + 1
+        return self.fc(x) * self.table
+
+
+def check_a_set_up_at_the_first_call_is_learned_with_warmup_0(device="cpu"):
+    """With ``warmup=0`` the first call is a capture; one that sets something up (an
+    attribute assigned once) is undone and the call warms up, learning it, instead of
+    giving the key up for good: the later calls replay."""
+    model = CachesOnce().to(device)
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model, warmup=0)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 4, device=device)
+            torch.testing.assert_close(g(x), twin(x))
+    s = autograph.stats(g)
+    assert s["replays"] >= 4 and s["eager_reasons"] == {"warmup": 1}, s
+
+
+def test_a_set_up_at_the_first_call_is_learned_with_warmup_0(standin):
+    check_a_set_up_at_the_first_call_is_learned_with_warmup_0()

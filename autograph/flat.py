@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .objects import ObjectKey, Walked, finish, object_key
+from .objects import ObjectKey, Walked, cache_hint, finish, object_key
 from .objects import changes as objects_changes
 from .vocab import Uncapturable
 
@@ -84,10 +84,12 @@ class Flat:
                 after = finish(after, again, device)
             except Uncapturable as exc:  # (its reason is not this call's)
                 why = f" ({exc.detail})" if exc.detail else ""
-                return f"the call changed an argument object so that it can no longer be keyed{why}"
+                hint = cache_hint(self.leaves[pos])
+                return (f"the call changed an argument object so that it can no longer be "
+                        f"keyed{why}{'' if hint in why else hint}")
             problem = objects_changes(before, after, again)
             if problem:
-                return problem
+                return problem + cache_hint(self.leaves[pos])
         return None
 
     def rebuild(self, leaves: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -151,3 +153,4 @@ def _hashable(context: Any) -> Any:
     except TypeError:
         return repr(context)
     return context
+

@@ -141,7 +141,8 @@ def finish(part: ObjectKey, walked: Walked, device: torch.device) -> ObjectKey:
         if grad and t.requires_grad:
             # (a training graph takes tensors that require grad as arguments only)
             raise Uncapturable(EagerReason.BACKWARD_UNSUPPORTED,
-                               f"{walked.path(k)}, inside an argument object, requires grad")
+                               f"{walked.path(k)}, inside an argument object, requires "
+                               f"grad{cache_hint(walked.obj)}")
         tdev = t.device
         if tdev == device:
             version = None
@@ -170,6 +171,19 @@ def unaddressed(part: ObjectKey) -> ObjectKey:
     tensors = tuple(t._replace(ptr=0) for t in part.tensors)
     return _new(ObjectKey, (part.kind, part.state, tensors,
                             hash((part.kind, part.state, tensors))))
+
+
+GROWING_CACHE = ("; a cache the call appends to (transformers' DynamicCache, made when "
+                 "use_cache is left on) is never graphed: pass use_cache=False, or a "
+                 "StaticCache")
+
+
+def cache_hint(value: Any) -> str:
+    """A hint for a transformers key-value cache argument the call changes (per-layer
+    graphs handed the model's ``DynamicCache``), else ''."""
+    kind = type(value)
+    return GROWING_CACHE if (kind.__module__.startswith("transformers.")
+                             and kind.__name__.endswith("Cache")) else ""
 
 
 def changes(before: ObjectKey, after: ObjectKey, walked: Walked) -> str | None:

@@ -170,6 +170,25 @@ def test_object_changed_by_every_call_runs_eagerly():
     assert details == {"the call changes Cache.step (a graph replays only device work)"}
 
 
+def test_a_growing_transformers_cache_says_how_to_graph(standin):
+    """A per-layer graph handed the model's ``DynamicCache`` (``use_cache`` left on in
+    a training loop) appends to it every call and runs eagerly: the reason says what
+    to pass instead."""
+    cache_utils = pytest.importorskip("transformers.cache_utils")
+
+    @autograph.graphed
+    def layer(x, cache):
+        k, _ = cache.update(x, x, 0)
+        return k.sum(-2)
+
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 2, 1, 4)
+            torch.testing.assert_close(layer(x, cache_utils.DynamicCache()), x.sum(-2))
+    details = stats_of(layer)["eager_details"]["assigns_attribute"]
+    assert all("use_cache=False" in d for d in details) and details, details
+
+
 def test_in_place_argument_is_captured_at_its_address():
     def step(cache, pos, value):
         cache.index_copy_(0, pos, value)

@@ -13,6 +13,7 @@ or an equal scalar of the same type).  ``guards.Watch`` compares them per call.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import dis
@@ -545,7 +546,17 @@ def _codes_of(attr: Any) -> list[types.CodeType]:
 
 
 def _class_getter(cls: type, name: str) -> Callable[[], Any]:
-    return lambda: getattr(cls, name, MISSING)
+    def get() -> Any:
+        return getattr(cls, name, MISSING)
+
+    def put(value: Any) -> None:  # the class's own entry, where a base's is not it
+        if name in cls.__dict__:
+            delattr(cls, name)
+        if value is not MISSING and getattr(cls, name, MISSING) is not value:
+            setattr(cls, name, value)
+
+    get.put = put  # type: ignore[attr-defined]
+    return get
 
 
 def _code_names(code: types.CodeType) -> set[str]:
@@ -631,6 +642,14 @@ def _local_getter(obj: threading.local, name: str) -> Callable[[], Any]:
     def get() -> Any:
         return getattr(obj, name, MISSING)
 
+    def put(value: Any) -> None:
+        if value is MISSING:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, value)
+
+    get.put = put  # type: ignore[attr-defined]
     return get
 
 
@@ -638,7 +657,22 @@ def _global_getter(glb: Mapping[str, Any], name: str) -> Callable[[], Any]:
     def get() -> Any:
         return glb.get(name, MISSING)
 
+    def put(value: Any) -> None:  # (into the dict: no ``__setattr__`` of the owner runs)
+        if isinstance(glb, AttributesView):
+            obj = glb._obj
+            if value is MISSING:
+                with contextlib.suppress(AttributeError):
+                    object.__delattr__(obj, name)
+            else:
+                object.__setattr__(obj, name, value)
+        elif isinstance(glb, dict):
+            if value is MISSING:
+                glb.pop(name, None)
+            else:
+                glb[name] = value
+
     get.where = (id(glb), name)  # type: ignore[attr-defined]
+    get.put = put  # type: ignore[attr-defined]
     return get
 
 
@@ -664,7 +698,25 @@ def _cell_getter(cell: Any) -> Callable[[], Any]:
         except ValueError:
             return MISSING
 
+    def put(value: Any) -> None:
+        if value is MISSING:
+            with contextlib.suppress(ValueError):
+                del cell.cell_contents
+        else:
+            cell.cell_contents = value
+
+    get.put = put  # type: ignore[attr-defined]
     return get
+
+
+def put_back(get: Callable[[], Any], value: Any) -> None:
+    """Give the name ``get`` reads back ``value`` (a failed capture's Python assigned
+    it), where the getter knows how (a global, a closure cell, a class attribute, an
+    owner's attribute); a count of attributes has nothing to put back."""
+    put = getattr(get, "put", None)
+    if put is not None:
+        with contextlib.suppress(Exception):  # (a read-only class, a frozen object)
+            put(value)
 
 
 def changed_attribute(before: list[tuple[str, Any]], now: list[tuple[str, Any]] | None

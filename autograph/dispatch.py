@@ -386,12 +386,18 @@ class Engine:
         """A call (run eagerly, or captured: its change made twice) changed state that
         graphs bake in: a module attribute, a name its code reads, a container a module
         holds.  Graphs of other keys may have baked the old value in: dropped (at the
-        next call); with none, the guard takes what the call left."""
+        next call); with none, the guard takes what the call left (a submodule or a
+        parameter it made, as a head built at the first call: read at the next call,
+        whose graph reads it)."""
+        watch = self.watch
         if any(e.graph is not None for e in list(self.cache.entries.values())):
-            self.watch.dirty = True
+            watch.dirty = True
         else:
-            self.watch.accept_refs()
-            self.watch.accept_values()
+            watch.accept_refs()
+            watch.accept_values()
+            if watch.grown:
+                watch.stale = True
+        watch.grown = False
 
     def reset(self, keep_known: bool = False) -> None:
         """Drop every graph and forget what was learned about the arguments (and try

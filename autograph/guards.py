@@ -60,6 +60,7 @@ from .coderefs import (
     held_values,
     new_refs,
     owner_refs,
+    put_back,
     same,
     same_items,
 )
@@ -141,6 +142,9 @@ class Watch:
         # running call since ``forget_assignments``: to tell a set-and-reset from a
         # change, and to undo what a failed capture's Python assigned
         self.assignments: list[tuple[nn.Module, str, Any]] = []
+        # a running call gave a watched module a submodule or a parameter (a head built
+        # at the first call): the watch reads its trees again (``Engine.own_change``)
+        self.grown = False
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         # a module backward hook was registered since: calls autograd records look for
@@ -436,32 +440,56 @@ class Watch:
                 _set_quietly(module, name, was)
         self.forget_assignments()
 
-    def hook_marks(self) -> list[tuple[Any, dict[str, frozenset[int]]]]:
-        """The ids of the hooks each watched module has now (:meth:`remove_hooks_since`
-        removes those a failed capture's Python registered)."""
-        return [(weakref.ref(m), {name: frozenset(d) for name in _HOOK_DICTS
-                                  if isinstance(d := m.__dict__.get(name), dict)})
-                for m in self.every_module()]
-
-    def remove_hooks_since(self, marks: list[tuple[Any, dict[str, frozenset[int]]]]) -> None:
-        """Remove the module hooks registered since ``marks`` (a capture that failed: its
-        Python ran, and a hook it installed once, as transformers' output-capturing
-        hooks with their flag, which :meth:`undo_assignments` deletes, would be
-        installed again by the eager run: every output twice)."""
-        for ref, before in marks:
-            m = ref()
-            if m is None:
+    def hook_marks(self) -> HookMarks:
+        """The ids of the hooks registered now on each watched module, parameter and
+        buffer, and globally on modules (:meth:`remove_hooks_since` removes those a
+        failed capture's Python registered)."""
+        owners: list[Any] = [*self.every_module(), *self.tensors(), _module_module()]
+        marks: HookMarks = []
+        for owner in owners:
+            names = _TENSOR_HOOK_DICTS if isinstance(owner, torch.Tensor) else \
+                _HOOK_DICTS if isinstance(owner, nn.Module) else _GLOBAL_HOOK_DICTS
+            try:
+                ref = weakref.ref(owner)
+            except TypeError:  # pragma: no cover - modules and tensors take weak references
                 continue
-            for name, ids in before.items():
-                d = m.__dict__.get(name)
-                if not isinstance(d, dict):
-                    continue
-                for k in [k for k in d if k not in ids]:
-                    del d[k]
-                    for extra in _HOOK_EXTRAS:  # what the hook's handle removes with it
-                        extra_d = m.__dict__.get(extra)
-                        if isinstance(extra_d, dict):
-                            extra_d.pop(k, None)
+            for name in names:
+                d = getattr(owner, name, None)
+                marks.append((ref, name, frozenset(d) if isinstance(d, dict) else frozenset()))
+        return marks
+
+    def remove_hooks_since(self, marks: HookMarks) -> None:
+        """Remove the hooks registered since ``marks`` (a capture that failed: its Python
+        ran, and a hook it installed once, as transformers' output-capturing hooks with
+        their flag, which :meth:`undo_assignments` deletes, would be installed again by
+        the eager run: every output twice; a gradient hook on a parameter, twice)."""
+        for ref, name, ids in marks:
+            owner = ref()
+            d = None if owner is None else getattr(owner, name, None)
+            if not isinstance(d, dict):
+                continue
+            for k in [k for k in d if k not in ids]:
+                del d[k]
+                for extra in _HOOK_EXTRAS:  # what the hook's handle removes with it
+                    extra_d = getattr(owner, extra, None)
+                    if isinstance(extra_d, dict):
+                        extra_d.pop(k, None)
+
+    def put_back_refs(self, before: list[Any]) -> None:
+        """Give the guarded names (globals, closure cells, class attributes, the owner's
+        attributes) the values in ``before`` (:meth:`ref_values`) where the running call
+        changed them (a capture that failed: a table it cached in a global is memory
+        no kernel filled), and take those as the values seen."""
+        refs = self._refs
+        if len(before) != len(refs):
+            return
+        changed = False
+        for (get, _), then in zip(refs, before):
+            if not same(get(), then):
+                put_back(get, then)
+                changed = True
+        if changed:
+            self.accept_refs()
 
     def owner_assigned(self, name: str) -> None:
         """The call running assigned an attribute of the plain object (as the hook tells
@@ -632,6 +660,8 @@ class Watch:
             return
         if self in getattr(_local, "running", ()):
             self.assigned = self.assigned or f"{type(module).__name__}.{name}"
+            if isinstance(value, (nn.Module, nn.Parameter)):
+                self.grown = True
             if not any(m is module and n == name for m, n, _ in self.assignments):
                 self.assignments.append((module, name, was))
         elif not self._keys_flag(module, name, was, value):
@@ -678,9 +708,24 @@ class Watch:
 
 # a module's hook dictionaries, and those keyed by the same hook ids alongside
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
-               "_backward_pre_hooks")
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+_TENSOR_HOOK_DICTS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
 _HOOK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                "_forward_pre_hooks_with_kwargs")
+                "_forward_pre_hooks_with_kwargs", "_global_forward_hooks_with_kwargs",
+                "_global_forward_hooks_always_called")
+# per hook dictionary: its owner (a module, a tensor, torch.nn.modules.module), the
+# dictionary's name, and the ids of the hooks it held (``Watch.hook_marks``)
+HookMarks = list[tuple[Any, str, frozenset[Any]]]
+
+
+def _module_module() -> Any:
+    """``torch.nn.modules.module``, which holds the global module hooks."""
+    from torch.nn.modules import module
+
+    return module
 _HOOK_KIND = "_is_full_backward_hook"  # set by nn.Module's backward hook registration
 _FLAG_TYPES = frozenset({bool, str, type(None)})
 MAX_FLAG_VALUES = 8  # values of a flag keyed; past them it drops the graphs per value

@@ -469,6 +469,34 @@ def _host_random_state(device: torch.device, gens: tuple[Any, ...] = ()) -> tupl
     return (*state, *rng.host_state(gens))
 
 
+class Undo:
+    """What a capture's Python may set up that the capture's failure must take back
+    (its Python ran once, and runs again: eagerly, in a warmup, or captured over the
+    parameters instead of their stand-ins), taken before the capture: the attributes
+    the watched modules get (``Watch.undo_assignments``), the hooks registered on them,
+    their parameters and globally, the containers they and the code hold, and the
+    names the code reads (globals, closure cells, class attributes, the owner's).  A
+    table cached lazily in any of them is memory of the capture's that no kernel
+    filled; a counter would count twice; a hook would be registered twice."""
+
+    __slots__ = ("watch", "hooks", "refs", "held")
+
+    def __init__(self, watch: Watch, fn: Callable[..., Any]) -> None:
+        watch.forget_assignments()
+        self.watch = watch
+        self.hooks = watch.hook_marks()
+        self.refs = watch.ref_values()
+        self.held = watch.held(watch.reach(fn))
+
+    def __call__(self) -> None:
+        watch = self.watch
+        watch.undo_assignments()
+        watch.remove_hooks_since(self.hooks)
+        if containers.held_change(self.held) is not None:
+            containers.restore(self.held)
+        watch.put_back_refs(self.refs)
+
+
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,
             watch: Watch, inplace: tuple[int, ...], reuse: bool = False,
             rng_free: bool = False, aliases: bool = True, records: bool = False) -> Captured:

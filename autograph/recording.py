@@ -128,18 +128,16 @@ def _trains(engine: Engine, key: GraphKey, entry: Entry, flat: Flat) -> bool:
 def _undone_if_failed(run_capture: Callable[..., Any], engine: Engine, flat: Flat,
                       backend: Backend, device: torch.device, inplace: tuple[int, ...],
                       rng_free: bool) -> Any:
-    """Capture; where the capture fails, undo the module attributes its Python assigned
-    (a layer caching a tensor of the pool on itself: the eager run would read it) and
-    remove the module hooks it registered."""
+    """Capture; where the capture fails, undo what its Python set up
+    (:class:`lifecycle.Undo`: a layer caching a tensor of the pool on itself, which
+    the eager run would read; a hook it registered)."""
     watch = engine.watch
-    watch.forget_assignments()
-    marks = watch.hook_marks()
+    undo = lifecycle.Undo(watch, engine.fn)
     try:
         return run_capture(engine.fn, flat, backend, device, watch, inplace,
                            engine.options.outputs == "reuse", rng_free=rng_free)
     except BaseException:
-        watch.undo_assignments()
-        watch.remove_hooks_since(marks)
+        undo()
         raise
 
 

@@ -245,7 +245,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     on_pool = OnPool(backend, backend.private_pool(device))
     # outputs cloned one by one: views of one copy returned by the autograd Function
     # would be views created inside a custom Function (in-place on them raises)
-    marks = watch.hook_marks()
+    undo = lifecycle.Undo(watch, fn)
     try:
         base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
                                  rng_free=rng_free, aliases=False, records=True)
@@ -257,10 +257,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         # works on the parameters; the capture over the parameters decides
         base = None
     if base is None or inner or stand.grads_set:  # (a backward inside gave the
-        # stand-ins the gradients). The first capture's Python ran: what it assigned
-        # (a tensor cached lazily, filled by no kernel) and hooked is undone first
-        watch.undo_assignments()
-        watch.remove_hooks_since(marks)
+        # stand-ins the gradients). The first capture's Python ran: what it set up (a
+        # tensor cached lazily, filled by no kernel; a hook) is undone first
+        undo()
         return capture(fn, flat, backend, device, watch,
                        inplace, stats, reuse, rng_free, stand_ins=False)
     assert base is not None

@@ -2491,3 +2491,41 @@ def check_a_set_up_at_the_first_call_is_learned_with_warmup_0(device="cpu"):
 
 def test_a_set_up_at_the_first_call_is_learned_with_warmup_0(standin):
     check_a_set_up_at_the_first_call_is_learned_with_warmup_0()
+
+
+class BuildsHead(nn.Module):
+    """Builds a submodule at its first call (a head sized by the first input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = None
+
+    def forward(self, x):
+        if self.head is None:
+            self.head = nn.Linear(4, 3).to(x.device)
+        return self.head(self.fc(x).relu())
+
+
+def check_a_submodule_built_at_the_first_call_trains_graphed(device="cpu"):
+    """The head's parameters are watched from the next call on: training replays, with
+    eager's gradients (they were unknown to the watch, and every call ran eagerly)."""
+    torch.manual_seed(0)
+    model = BuildsHead().to(device)
+    g = autograph.graphed(model)
+    x = torch.randn(2, 4, device=device)
+    g(x)  # the head, built
+    twin = copy.deepcopy(model)
+    for _ in range(6):
+        x = torch.randn(2, 4, device=device)
+        for m in (g, twin):
+            m(x).square().sum().backward()
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    s = autograph.stats(g)
+    assert s["replays"] >= 3 and s["backward_replays"] >= 3, s
+
+
+def test_a_submodule_built_at_the_first_call_trains_graphed(standin):
+    check_a_submodule_built_at_the_first_call_trains_graphed()
+

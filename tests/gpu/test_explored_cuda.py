@@ -31,6 +31,7 @@ from ..test_buckets import (
 from ..test_guards import (
     check_a_host_inference_tensor_read_by_a_graph,
     check_a_set_up_at_the_first_call_is_learned_with_warmup_0,
+    check_a_submodule_built_at_the_first_call_trains_graphed,
     check_an_owners_functions_dicts_and_namespaces_are_guarded,
     check_global_named_like_an_attribute,
     check_plain_object_method_reads_its_attributes,
@@ -846,3 +847,8 @@ def test_overlapping_memory_through_other_storage_objects():
 
 def test_a_set_up_at_the_first_call_is_learned_with_warmup_0():
     check_a_set_up_at_the_first_call_is_learned_with_warmup_0(dev)
+
+
+def test_a_submodule_built_at_the_first_call_trains_graphed():
+    check_a_submodule_built_at_the_first_call_trains_graphed(dev)
+

@@ -252,6 +252,8 @@ class Engine:
         watch = self.watch
         if not watch.ok():  # first: the key reads the watched modules' training flags
             self.check_guards()
+        if watch.unkeyable is not None:
+            raise Uncapturable(EagerReason.UNKEYABLE, watch.unkeyable)
         key, flat, device = key_call(args, kwargs, modes, self.training, self.memo)
         last = self._device
         if last[0] != device:

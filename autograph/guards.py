@@ -82,6 +82,18 @@ def _held_ptr(t: Any) -> int:
     return -1 if isinstance(t, _Lazy) else _ptr(t)
 
 
+def _strided(t: torch.Tensor) -> bool:
+    return t.layout is torch.strided
+
+
+UNKEYABLE_NAMED = "a sparse tensor the code names (no storage a graph can read or guard)"
+
+
+def _unkeyable(module: nn.Module, name: str, t: torch.Tensor) -> str:
+    return (f"{type(module).__name__}.{name} is a {t.layout} tensor (no storage a graph "
+            "can read or guard)")
+
+
 def _set_quietly(module: nn.Module, name: str, value: Any) -> None:
     """``nn.Module.__setattr__`` past the assignment hook (``notify.install``)."""
     setter = nn.Module.__setattr__
@@ -143,8 +155,12 @@ class Watch:
         # change, and to undo what a failed capture's Python assigned
         self.assignments: list[tuple[nn.Module, str, Any]] = []
         # a running call gave a watched module a submodule or a parameter (a head built
-        # at the first call): the watch reads its trees again (``Engine.own_change``)
+        # at the first call), or a sparse tensor: the watch reads its trees again
+        # (``Engine.own_change``)
         self.grown = False
+        # why the state the call reads cannot be graphed (a sparse tensor a module
+        # holds or the code names: no storage to guard, key or capture), or None
+        self.unkeyable: str | None = None
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         # a module backward hook was registered since: calls autograd records look for
@@ -217,12 +233,20 @@ class Watch:
         refs[n:n] = new_refs(class_refs(modules.values())
                              + forward_refs(modules.values(), self._code), refs)
         holders, names = [], []
+        self.unkeyable = None
         for m in modules.values():
             for d in (m._parameters, m._buffers):
                 for name, t in d.items():
-                    if t is not None:
+                    if t is None:
+                        continue
+                    if _strided(t):
                         holders.append(d)
                         names.append(name)
+                    else:
+                        self.unkeyable = self.unkeyable or _unkeyable(m, name, t)
+            for name, t in vars(m).items():
+                if isinstance(t, torch.Tensor) and not _strided(t):
+                    self.unkeyable = self.unkeyable or _unkeyable(m, name, t)
         self._holders, self._names = holders, names
         self._refs = refs
         # a named tensor given other memory in place (``K.data = ...``, ``set_``) is the
@@ -526,8 +550,10 @@ class Watch:
 
     def _take_named(self) -> None:
         """Note the address and requires_grad of each tensor a guarded name holds."""
-        self._named_ptrs = [(v, v.data_ptr()) for _, v in self._refs
-                            if isinstance(v, torch.Tensor)]
+        named = [v for _, v in self._refs if isinstance(v, torch.Tensor)]
+        if any(not _strided(v) for v in named):
+            self.unkeyable = self.unkeyable or UNKEYABLE_NAMED
+        self._named_ptrs = [(v, v.data_ptr()) for v in named if _strided(v)]
         self._named_flags = [t.requires_grad for t, _ in self._named_ptrs]
 
     def refs_moved(self) -> bool:
@@ -590,11 +616,11 @@ class Watch:
         torch.zeros(3)``: no parameter or buffer); assigning one is seen as any
         attribute assignment is."""
         return [v for ref in self._modules if (m := ref()) is not None
-                for v in vars(m).values() if isinstance(v, torch.Tensor)]
+                for v in vars(m).values() if isinstance(v, torch.Tensor) and _strided(v)]
 
     def named(self) -> list[torch.Tensor]:
         """The tensors the code names (a global, a closure's, ``self.k`` of no module)."""
-        return [v for _, v in self._refs if isinstance(v, torch.Tensor)]
+        return [v for _, v in self._refs if isinstance(v, torch.Tensor) and _strided(v)]
 
     def storage_ptrs(self, device: torch.device | None = None) -> set[int]:
         """Storage addresses of the watched parameters, buffers and named tensors (with
@@ -660,7 +686,8 @@ class Watch:
             return
         if self in getattr(_local, "running", ()):
             self.assigned = self.assigned or f"{type(module).__name__}.{name}"
-            if isinstance(value, (nn.Module, nn.Parameter)):
+            if isinstance(value, (nn.Module, nn.Parameter)) or (
+                    isinstance(value, torch.Tensor) and not _strided(value)):
                 self.grown = True
             if not any(m is module and n == name for m, n, _ in self.assignments):
                 self.assignments.append((module, name, was))

@@ -85,7 +85,7 @@ _MESSAGES = {
     EagerReason.NO_TENSORS: "no tensor arguments",
     EagerReason.DEVICE: "inputs not on a device that can be graphed",
     EagerReason.SEVERAL_DEVICES: "tensor arguments on several devices",
-    EagerReason.UNKEYABLE: "an argument cannot be keyed",
+    EagerReason.UNKEYABLE: "an argument, or a tensor the code reads, cannot be keyed",
     EagerReason.HOOKS: "module hooks would not replay",
     EagerReason.AUTOGRAD: "autograd would record this call and it is not graphed for "
                           "training (backward=False, or group=; use torch.no_grad())",

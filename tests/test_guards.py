@@ -2529,3 +2529,60 @@ def check_a_submodule_built_at_the_first_call_trains_graphed(device="cpu"):
 def test_a_submodule_built_at_the_first_call_trains_graphed(standin):
     check_a_submodule_built_at_the_first_call_trains_graphed()
 
+
+SPARSE_ADJ = None  # read by name
+
+
+class SparseAdjacency(nn.Module):
+    """Holds a sparse adjacency (LightGCN-style) as a buffer, a plain attribute, one
+    built at its first call, or reads it from a global."""
+
+    def __init__(self, adj, how):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.how, self.made = how, adj
+        if how == "buffer":
+            self.register_buffer("adj", adj)
+        elif how == "attribute":
+            self.adj = adj
+        elif how == "first call":
+            self.adj = None
+
+    def forward(self, x):
+        if self.how == "global":
+            adj = SPARSE_ADJ
+        else:
+            if self.adj is None:
+                self.adj = self.made
+            adj = self.adj
+        return torch.sparse.mm(adj, self.lin(x))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("how", ["buffer", "attribute", "first call", "global"])
+def test_sparse_state_runs_eagerly_with_a_reason(standin, how, layout):
+    check_sparse_state_runs_eagerly_with_a_reason(how, layout)
+
+
+def check_sparse_state_runs_eagerly_with_a_reason(how, layout, device="cpu"):
+    """A sparse tensor the call reads but is not given (no storage to guard, key or
+    capture) made every call raise where eager mode runs: such calls run eagerly, with
+    their reason."""
+    global SPARSE_ADJ
+    idx = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+    adj = torch.sparse_coo_tensor(idx, torch.rand(4), (4, 4)).coalesce().to(device)
+    adj = adj if layout == "coo" else adj.to_sparse_csr()
+    SPARSE_ADJ = adj
+    try:
+        model = SparseAdjacency(adj, how).to(device)
+        g = autograph.graphed(model)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad):
+                for _ in range(4):
+                    x = torch.randn(4, 4, device=device)
+                    torch.testing.assert_close(g(x), torch.sparse.mm(adj, model.lin(x)))
+        s = autograph.stats(g)
+        assert s["replays"] == 0 and s["eager_reasons"].get("unkeyable_argument", 0) >= 6, s
+        assert any("sparse" in d for d in s["eager_details"]["unkeyable_argument"])
+    finally:
+        SPARSE_ADJ = None

@@ -35,6 +35,7 @@ from ..test_guards import (
     check_an_owners_functions_dicts_and_namespaces_are_guarded,
     check_global_named_like_an_attribute,
     check_plain_object_method_reads_its_attributes,
+    check_sparse_state_runs_eagerly_with_a_reason,
 )
 from ..test_pad_arguments import check_written_argument_padded_into_new_tensors
 from ..test_usage import (
@@ -852,3 +853,8 @@ def test_a_set_up_at_the_first_call_is_learned_with_warmup_0():
 def test_a_submodule_built_at_the_first_call_trains_graphed():
     check_a_submodule_built_at_the_first_call_trains_graphed(dev)
 
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("how", ["buffer", "attribute", "first call", "global"])
+def test_sparse_state_runs_eagerly_with_a_reason(how, layout):
+    check_sparse_state_runs_eagerly_with_a_reason(how, layout, dev)

@@ -499,19 +499,23 @@ class _Viewed(dict):  # type: ignore[type-arg]
 
 
 def _inputs_reached(trained: Trained, stand: StandIns, leaves: set[int]) -> None:
-    """Keep, of the parameters the replays' Function takes as inputs, those the captured
-    graph reaches (``leaves``: the ids of its leaves; a parameter itself or its
-    stand-in): autograd runs the gradient accumulator of every input, and the hooks of
-    an unused parameter (an unused head), which eager mode never calls, would be called
-    with None."""
+    """Keep, of the arguments and parameters the replays' Function takes as inputs,
+    those the captured graph reaches (``leaves``: the ids of its leaves; an argument's
+    static buffer, a parameter itself or its stand-in): autograd runs the gradient
+    accumulator of every input and the graph behind it, which eager mode never reaches
+    from an unused one (an unused head's hooks would be called with None; an unused
+    argument carrying a freed graph, a previous step's output, would raise)."""
     def reached(p: torch.Tensor) -> bool:
         s = stand.of.get(id(p))
         return id(p) in leaves or (s is not None and id(s) in leaves)
 
+    n = len(trained.sources)
+    used = [k for k in range(n) if id(trained.targets[k]) in leaves]
     kept = [p for p in trained.inputs_state if reached(p)]
-    if len(kept) < len(trained.inputs_state):
+    if len(used) < n or len(kept) < len(trained.inputs_state):
+        trained.sources = [trained.sources[k] for k in used]
         trained.inputs_state = kept
-        trained.targets = trained.targets[:len(trained.sources)] + kept
+        trained.targets = [trained.targets[k] for k in used] + kept
 
 
 def _drop_unreached(trained: Trained) -> set[int] | None:

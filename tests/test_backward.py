@@ -2591,6 +2591,52 @@ def test_hooks_of_a_parameter_the_call_never_uses_are_not_called():
     check_hooks_of_a_parameter_the_call_never_uses_are_not_called()
 
 
+class _IgnoresFeatures(nn.Module):
+    """Takes a second argument it never reads (a feature dict's earlier output, as
+    sentence-transformers' dicts carry when tokenized once and reused every epoch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, unused):
+        return self.lin(x)
+
+
+def check_an_argument_the_call_never_uses_takes_no_part(device="cpu"):
+    """An argument that requires grad and that the outputs do not reach: the replays'
+    Function took it as an input, so autograd ran the graph behind it, which eager's
+    backward never reaches (a previous step's output, its graph freed: "Trying to
+    backward through the graph a second time"); its hooks were called with None."""
+    torch.manual_seed(0)
+    eager = _IgnoresFeatures().to(device)
+    model = copy.deepcopy(eager)
+    g = autograph.graphed(model)
+    x = torch.randn(3, 4, device=device)
+    prev = {"eager": eager.lin(x).relu(), "graphed": model.lin(x).relu()}
+    for p in prev.values():
+        p.sum().backward()  # its graph freed
+    eager.zero_grad()
+    model.zero_grad()
+    hooked = []
+    for _ in range(5):
+        for name, m in (("eager", eager), ("graphed", g)):
+            out = m(x, prev[name])
+            if name == "graphed":
+                out.register_hook(lambda grad: grad)
+                prev[name].register_hook(lambda grad: hooked.append(grad))
+            out.sum().backward()
+            prev[name] = out  # the next call gets this step's output, its graph freed
+        for p, q in zip(eager.parameters(), model.parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-6)
+    assert hooked == []
+    assert autograph.stats(g)["backward_replays"] >= 2
+
+
+def test_an_argument_the_call_never_uses_takes_no_part(standin):
+    check_an_argument_the_call_never_uses_takes_no_part()
+
+
 class _AuxHead(nn.Module):
     """Two heads over one trunk; the aux head's bias is tied to a third layer the main
     output reads (a tied parameter takes a gradient from elsewhere)."""

@@ -26,6 +26,7 @@ import autograph
 
 from ..test_backward import (
     check_a_tensor_saved_by_a_node_no_output_reaches_may_change,
+    check_an_argument_the_call_never_uses_takes_no_part,
     check_an_output_saved_only_by_an_unreached_node_may_be_written,
     check_double_backward,
     check_frozen_model_unfrozen,
@@ -263,6 +264,10 @@ def test_a_tensor_saved_by_a_node_no_output_reaches_may_change():
 
 def test_hooks_of_a_parameter_the_call_never_uses_are_not_called():
     check_hooks_of_a_parameter_the_call_never_uses_are_not_called("cuda")
+
+
+def test_an_argument_the_call_never_uses_takes_no_part():
+    check_an_argument_the_call_never_uses_takes_no_part("cuda")
 
 
 def test_an_output_saved_only_by_an_unreached_node_may_be_written():

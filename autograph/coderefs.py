@@ -241,6 +241,11 @@ def _rebindable(value: Any) -> bool:
     return value is not MISSING and not isinstance(value, types.ModuleType)
 
 
+def is_namespace(value: Any) -> bool:
+    """:func:`_namespace`, for the watch."""
+    return _namespace(value)
+
+
 def _namespace(value: Any) -> bool:
     """A user's module or plain object named as a global for the settings it holds
     (``import config; config.SCALE``, a ``SimpleNamespace``, a dataclass instance):
@@ -549,9 +554,12 @@ def _class_getter(cls: type, name: str) -> Callable[[], Any]:
     def get() -> Any:
         return getattr(cls, name, MISSING)
 
-    def put(value: Any) -> None:  # the class's own entry, where a base's is not it
-        if name in cls.__dict__:
-            delattr(cls, name)
+    def put(value: Any) -> None:
+        # the class's own entry only (a base's value changed is the base's to put back;
+        # set here, it would shadow the base's from now on)
+        if name not in cls.__dict__:
+            return
+        delattr(cls, name)
         if value is not MISSING and getattr(cls, name, MISSING) is not value:
             setattr(cls, name, value)
 

@@ -40,15 +40,18 @@ callable's graphs by hand.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import operator
 import threading
+import types
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from . import containers, notify
 from .coderefs import (
@@ -58,6 +61,7 @@ from .coderefs import (
     config_dicts,
     forward_refs,
     held_values,
+    is_namespace,
     new_refs,
     owner_refs,
     put_back,
@@ -464,49 +468,45 @@ class Watch:
                 _set_quietly(module, name, was)
         self.forget_assignments()
 
-    def hook_marks(self) -> HookMarks:
-        """The ids of the hooks registered now on each watched module, parameter and
-        buffer, and globally on modules (:meth:`remove_hooks_since` removes those a
-        failed capture's Python registered)."""
-        owners: list[Any] = [*self.every_module(), *self.tensors(), _module_module()]
-        marks: HookMarks = []
-        for owner in owners:
-            names = _TENSOR_HOOK_DICTS if isinstance(owner, torch.Tensor) else \
-                _HOOK_DICTS if isinstance(owner, nn.Module) else _GLOBAL_HOOK_DICTS
-            try:
-                ref = weakref.ref(owner)
-            except TypeError:  # pragma: no cover - modules and tensors take weak references
-                continue
+    @staticmethod
+    def hook_mark() -> int:
+        """The id the next hook registered gets (torch numbers every hook handle, module
+        and tensor hooks alike, from one counter): :meth:`remove_hooks_since` removes
+        those registered since."""
+        return int(getattr(RemovableHandle, "next_id", 0))
+
+    def remove_hooks_since(self, mark: int) -> None:
+        """Remove the hooks registered since ``mark`` on the watched modules (forward,
+        backward and state-dict hooks), their parameters and buffers, the tensors the
+        code names, and globally on modules (a capture that failed: its Python ran, and
+        a hook it installed once, as transformers' output-capturing hooks with their
+        flag, would be installed again by the next run: every output twice; a gradient
+        hook on a parameter, gradients scaled twice)."""
+        owners: list[tuple[Any, tuple[str, ...]]] = [
+            *((m, _HOOK_DICTS) for m in self.every_module()),
+            *((t, _TENSOR_HOOK_DICTS) for t in (*self.tensors(), *self.named(),
+                                                *self.attribute_tensors())),
+            (_module_module(), _GLOBAL_HOOK_DICTS)]
+        for owner, names in owners:
             for name in names:
                 d = getattr(owner, name, None)
-                marks.append((ref, name, frozenset(d) if isinstance(d, dict) else frozenset()))
-        return marks
+                if not isinstance(d, dict):
+                    continue
+                for k in [k for k in d if isinstance(k, int) and k >= mark]:
+                    del d[k]
+                    for extra in _HOOK_EXTRAS:  # what the hook's handle removes with it
+                        extra_d = getattr(owner, extra, None)
+                        if isinstance(extra_d, dict):
+                            extra_d.pop(k, None)
 
-    def remove_hooks_since(self, marks: HookMarks) -> None:
-        """Remove the hooks registered since ``marks`` (a capture that failed: its Python
-        ran, and a hook it installed once, as transformers' output-capturing hooks with
-        their flag, which :meth:`undo_assignments` deletes, would be installed again by
-        the eager run: every output twice; a gradient hook on a parameter, twice)."""
-        for ref, name, ids in marks:
-            owner = ref()
-            d = None if owner is None else getattr(owner, name, None)
-            if not isinstance(d, dict):
-                continue
-            for k in [k for k in d if k not in ids]:
-                del d[k]
-                for extra in _HOOK_EXTRAS:  # what the hook's handle removes with it
-                    extra_d = getattr(owner, extra, None)
-                    if isinstance(extra_d, dict):
-                        extra_d.pop(k, None)
-
-    def put_back_refs(self, before: list[Any]) -> None:
+    def put_back_refs(self, before: list[Any]) -> bool:
         """Give the guarded names (globals, closure cells, class attributes, the owner's
         attributes) the values in ``before`` (:meth:`ref_values`) where the running call
         changed them (a capture that failed: a table it cached in a global is memory
-        no kernel filled), and take those as the values seen."""
+        no kernel filled), and take those as the values seen.  Whether any changed."""
         refs = self._refs
         if len(before) != len(refs):
-            return
+            return False
         changed = False
         for (get, _), then in zip(refs, before):
             if not same(get(), then):
@@ -514,6 +514,60 @@ class Watch:
                 changed = True
         if changed:
             self.accept_refs()
+        return changed
+
+    def tensor_dicts(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """The attributes each watched and named tensor holds (``w._hooked``, a table
+        cached on a parameter), for :meth:`put_back_tensor_dicts`."""
+        return [(t, _own_attributes(t)) for t in (*self.tensors(), *self.named())]
+
+    @staticmethod
+    def put_back_tensor_dicts(before: list[tuple[torch.Tensor, dict[str, Any]]]) -> bool:
+        """Give each tensor the attributes it held in ``before`` (its hook dictionaries
+        aside: :meth:`remove_hooks_since`); whether any changed."""
+        changed = False
+        for t, then in before:
+            now = _own_attributes(t)
+            if now.keys() != then.keys() or any(now[k] is not v for k, v in then.items()):
+                d = t.__dict__
+                for k in now:
+                    if k not in then:
+                        del d[k]
+                d.update(then)
+                changed = True
+        return changed
+
+    def namespaces(self) -> list[tuple[Any, frozenset[str]]]:
+        """The names the method's object and the watched modules' classes hold, for
+        :meth:`drop_new_names`: a name the call adds (``self._table = ...`` where there
+        was none, ``type(self)._table``) has no guard of its own to put it back."""
+        out: list[tuple[Any, frozenset[str]]] = []
+        owner = self._owner() if self._owner is not None else None
+        if isinstance(getattr(owner, "__dict__", None), dict):
+            out.append((owner, frozenset(owner.__dict__)))
+        classes = {id(type(m)): type(m) for m in self.every_module()}
+        if owner is not None:
+            classes.setdefault(id(type(owner)), type(owner))
+        out += [(c, frozenset(vars(c))) for c in classes.values()]
+        spaces = {id(v): v for _, v in self._refs
+                  if is_namespace(v) and isinstance(getattr(v, "__dict__", None), dict)
+                  and not isinstance(v, threading.local)}
+        out += [(v, frozenset(vars(v))) for v in spaces.values()]
+        return out
+
+    @staticmethod
+    def drop_new_names(before: list[tuple[Any, frozenset[str]]]) -> bool:
+        """Delete the names added since ``before``; whether there were any."""
+        changed = False
+        for obj, names in before:
+            for name in [n for n in list(vars(obj)) if n not in names]:
+                with contextlib.suppress(Exception):
+                    if isinstance(obj, (type, types.ModuleType)):
+                        delattr(obj, name)
+                    else:
+                        object.__delattr__(obj, name)
+                    changed = True
+        return changed
 
     def owner_assigned(self, name: str) -> None:
         """The call running assigned an attribute of the plain object (as the hook tells
@@ -743,9 +797,11 @@ _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
 _HOOK_EXTRAS = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                 "_forward_pre_hooks_with_kwargs", "_global_forward_hooks_with_kwargs",
                 "_global_forward_hooks_always_called")
-# per hook dictionary: its owner (a module, a tensor, torch.nn.modules.module), the
-# dictionary's name, and the ids of the hooks it held (``Watch.hook_marks``)
-HookMarks = list[tuple[Any, str, frozenset[Any]]]
+
+
+def _own_attributes(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor's attributes but its hook dictionaries."""
+    return {k: v for k, v in t.__dict__.items() if k not in _TENSOR_HOOK_DICTS}
 
 
 def _module_module() -> Any:

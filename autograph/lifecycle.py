@@ -473,28 +473,66 @@ class Undo:
     """What a capture's Python may set up that the capture's failure must take back
     (its Python ran once, and runs again: eagerly, in a warmup, or captured over the
     parameters instead of their stand-ins), taken before the capture: the attributes
-    the watched modules get (``Watch.undo_assignments``), the hooks registered on them,
-    their parameters and globally, the containers they and the code hold, and the
-    names the code reads (globals, closure cells, class attributes, the owner's).  A
+    the watched modules get (``Watch.undo_assignments``), the containers they and the
+    code hold, the names the code reads (globals, closure cells, class attributes, the
+    owner's), names added to the owner, to the watched modules' classes and to the
+    watched tensors' ``__dict__``, and Python's and numpy's global random state.  A
     table cached lazily in any of them is memory of the capture's that no kernel
-    filled; a counter would count twice; a hook would be registered twice."""
+    filled; a counter would count twice.  The hooks registered since (on the watched
+    modules, their tensors, the tensors the code names, globally on modules) are
+    removed where something else was taken back (their flag, which the call's next run
+    finds unset: registered twice otherwise); a hook whose flag lies elsewhere (a
+    closure) stays, as the flag does."""
 
-    __slots__ = ("watch", "hooks", "refs", "held")
+    __slots__ = ("watch", "hook_id", "refs", "held", "dicts", "names", "host")
 
     def __init__(self, watch: Watch, fn: Callable[..., Any]) -> None:
         watch.forget_assignments()
         self.watch = watch
-        self.hooks = watch.hook_marks()
+        self.hook_id = watch.hook_mark()
         self.refs = watch.ref_values()
         self.held = watch.held(watch.reach(fn))
+        self.dicts = watch.tensor_dicts()
+        self.names = watch.namespaces()
+        self.host = _host_state()
 
-    def __call__(self) -> None:
+    def __call__(self, everything: bool = True) -> None:
+        """Take it back (``everything=False``: the call raised an error of its own,
+        which propagates with the call's other side effects kept, as in eager mode;
+        its module attributes and hooks are taken back)."""
         watch = self.watch
+        undone = bool(watch.assignments)
         watch.undo_assignments()
-        watch.remove_hooks_since(self.hooks)
-        if containers.held_change(self.held) is not None:
-            containers.restore(self.held)
-        watch.put_back_refs(self.refs)
+        if everything:
+            if containers.held_change(self.held) is not None:
+                containers.restore(self.held)
+                undone = True
+            undone = watch.put_back_refs(self.refs) | undone
+            undone = watch.put_back_tensor_dicts(self.dicts) | undone
+            undone = watch.drop_new_names(self.names) | undone
+            _put_host_state(self.host)
+        if undone:
+            watch.remove_hooks_since(self.hook_id)
+
+
+def _host_state() -> tuple[Any, Any]:
+    """Python's and numpy's global random state (a draw a failed capture made, a
+    stochastic depth's coin, would shift eager's numbers)."""
+    np = sys.modules.get("numpy")
+    legacy = None
+    if np is not None:
+        with contextlib.suppress(Exception):
+            legacy = np.random.get_state()
+    return random.getstate(), legacy
+
+
+def _put_host_state(state: tuple[Any, Any]) -> None:
+    if random.getstate() != state[0]:
+        random.setstate(state[0])
+    np = sys.modules.get("numpy")
+    if np is not None and state[1] is not None:
+        with contextlib.suppress(Exception):
+            np.random.set_state(state[1])
 
 
 def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.device,

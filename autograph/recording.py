@@ -136,8 +136,11 @@ def _undone_if_failed(run_capture: Callable[..., Any], engine: Engine, flat: Fla
     try:
         return run_capture(engine.fn, flat, backend, device, watch, inplace,
                            engine.options.outputs == "reuse", rng_free=rng_free)
-    except BaseException:
-        undo()
+    except (Uncapturable, lifecycle.RandomFound, lifecycle.StateMade, lifecycle.WritesFound):
+        undo()  # (the call runs again)
+        raise
+    except BaseException:  # the user's own error, which propagates
+        undo(everything=False)
         raise
 
 

@@ -11,6 +11,7 @@ from ..test_undo import (
     check_a_counter_and_a_log_count_once,
     check_a_table_cached_at_the_first_call,
     check_hooks_registered_at_the_first_call,
+    check_set_ups_of_a_capture_that_fails,
 )
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -29,3 +30,7 @@ def test_a_counter_and_a_log_count_once(train):
 
 def test_hooks_registered_at_the_first_call():
     check_hooks_registered_at_the_first_call("cuda")
+
+
+def test_set_ups_of_a_capture_that_fails():
+    check_set_ups_of_a_capture_that_fails("cuda")

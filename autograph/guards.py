@@ -165,6 +165,7 @@ class Watch:
         # why the state the call reads cannot be graphed (a sparse tensor a module
         # holds or the code names: no storage to guard, key or capture), or None
         self.unkeyable: str | None = None
+        self._unkeyable_state: str | None = None  # (the modules' part, at refresh)
         # why module hooks forbid graphs now (or notify.RECHECK: a hook was registered since)
         self.hook_reason: str | None = None
         # a module backward hook was registered since: calls autograd records look for
@@ -237,7 +238,7 @@ class Watch:
         refs[n:n] = new_refs(class_refs(modules.values())
                              + forward_refs(modules.values(), self._code), refs)
         holders, names = [], []
-        self.unkeyable = None
+        unkeyable = None
         for m in modules.values():
             for d in (m._parameters, m._buffers):
                 for name, t in d.items():
@@ -247,10 +248,11 @@ class Watch:
                         holders.append(d)
                         names.append(name)
                     else:
-                        self.unkeyable = self.unkeyable or _unkeyable(m, name, t)
+                        unkeyable = unkeyable or _unkeyable(m, name, t)
             for name, t in vars(m).items():
                 if isinstance(t, torch.Tensor) and not _strided(t):
-                    self.unkeyable = self.unkeyable or _unkeyable(m, name, t)
+                    unkeyable = unkeyable or _unkeyable(m, name, t)
+        self._unkeyable_state = unkeyable
         self._holders, self._names = holders, names
         self._refs = refs
         # a named tensor given other memory in place (``K.data = ...``, ``set_``) is the
@@ -456,12 +458,21 @@ class Watch:
                 return f"{type(module).__name__}.{name}"
         return None
 
-    def undo_assignments(self) -> None:
+    def assigned_any(self, tensors_only: bool = False) -> bool:
+        """Whether :meth:`undo_assignments` has anything to put back."""
+        return any(not tensors_only or isinstance(notify.current(m, n), torch.Tensor)
+                   for m, n, was in self.assignments if was is not notify.CHANGED)
+
+    def undo_assignments(self, tensors_only: bool = False) -> None:
         """Put back what the running call assigned (a capture that failed: its Python
-        ran, and what it set, tensors of the pool, must not reach the eager run)."""
+        ran, and what it set, tensors of the pool, must not reach the eager run);
+        ``tensors_only``: only where it assigned a tensor (a call that raised, whose
+        other changes stand, as in eager mode)."""
         for module, name, was in reversed(self.assignments):
             if was is notify.CHANGED:
                 continue  # changed in place: what it held is not known
+            if tensors_only and not isinstance(notify.current(module, name), torch.Tensor):
+                continue
             if was is notify.MISSING:
                 _del_quietly(module, name)
             else:
@@ -605,8 +616,8 @@ class Watch:
     def _take_named(self) -> None:
         """Note the address and requires_grad of each tensor a guarded name holds."""
         named = [v for _, v in self._refs if isinstance(v, torch.Tensor)]
-        if any(not _strided(v) for v in named):
-            self.unkeyable = self.unkeyable or UNKEYABLE_NAMED
+        self.unkeyable = self._unkeyable_state or (
+            UNKEYABLE_NAMED if any(not _strided(v) for v in named) else None)
         self._named_ptrs = [(v, v.data_ptr()) for v in named if _strided(v)]
         self._named_flags = [t.requires_grad for t, _ in self._named_ptrs]
 
@@ -740,9 +751,9 @@ class Watch:
             return
         if self in getattr(_local, "running", ()):
             self.assigned = self.assigned or f"{type(module).__name__}.{name}"
-            if isinstance(value, (nn.Module, nn.Parameter)) or (
-                    isinstance(value, torch.Tensor) and not _strided(value)):
-                self.grown = True
+            if isinstance(value, (nn.Module, nn.Parameter)) or any(
+                    isinstance(v, torch.Tensor) and not _strided(v) for v in (value, was)):
+                self.grown = True  # (a sparse tensor made dense: keyable again)
             if not any(m is module and n == name for m, n, _ in self.assignments):
                 self.assignments.append((module, name, was))
         elif not self._keys_flag(module, name, was, value):

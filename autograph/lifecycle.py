@@ -498,11 +498,11 @@ class Undo:
 
     def __call__(self, everything: bool = True) -> None:
         """Take it back (``everything=False``: the call raised an error of its own,
-        which propagates with the call's other side effects kept, as in eager mode;
-        its module attributes and hooks are taken back)."""
+        which propagates with the call's side effects kept, as in eager mode, but the
+        tensors it assigned to modules, memory no kernel filled)."""
         watch = self.watch
-        undone = bool(watch.assignments)
-        watch.undo_assignments()
+        undone = watch.assigned_any(tensors_only=not everything)
+        watch.undo_assignments(tensors_only=not everything)
         if everything:
             if containers.held_change(self.held) is not None:
                 containers.restore(self.held)

@@ -124,6 +124,9 @@ class _Spies:
             lists = getattr(local, "lists", None)
             if lists is not None:
                 lists[0].append("the forward registers a hook on a tensor")
+            real = getattr(local, "real", None)  # a stand-in's: its parameter's
+            if real:
+                tensor = real.get(id(tensor), tensor)
             return hook(tensor, fn)
 
         def spied_backward(*a: Any, **k: Any) -> Any:
@@ -240,7 +243,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
 
     stand = StandIns(watch if stand_ins and not _parametrize_cached() else None)
     inner: list[str] = []  # backward passes run inside the call, with stand-ins
-    call = _spying(fn, [], inner) if stand.of else fn
+    hooked: list[str] = []  # hooks it registered on tensors (a stand-in's: its parameter's)
+    call = _spying(fn, hooked, inner) if stand.of else fn
 
     on_pool = OnPool(backend, backend.private_pool(device))
     # outputs cloned one by one: views of one copy returned by the autograd Function
@@ -256,6 +260,9 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
         # ``torch.autograd.grad`` imported before the spies) may fail on them where it
         # works on the parameters; the capture over the parameters decides
         base = None
+    if hooked:  # as a warmup finds (a capture without one: ``warmup=0``); maybe a
+        # set-up made once (``lifecycle.changed_once``: a warmup learns it)
+        raise lifecycle.AttributeSet(UNSUPPORTED, hooked[0])
     if base is None or inner or stand.grads_set:  # (a backward inside gave the
         # stand-ins the gradients). The first capture's Python ran: what it set up (a
         # tensor cached lazily, filled by no kernel; a hook) is undone first
@@ -341,7 +348,9 @@ class StandIns:
                     alias = t.detach()
                     s = nn.Parameter(alias) if type(t) is nn.Parameter \
                         else alias.requires_grad_()
-                    s.__dict__.update(t.__dict__)  # (``w.lr_mult``, ``w.main_grad``)
+                    # its parameter's attributes, the very dict (``w.lr_mult``, a
+                    # flag the forward sets: on the parameter, as in eager mode)
+                    s.__dict__ = t.__dict__
                     self.of[id(t)] = s
                     self.real[id(s)] = t
             if held:
@@ -367,8 +376,10 @@ class StandIns:
                 swapped.append((m, own, view))
             for s in self.of.values():
                 s.grad = self.real[id(s)].grad
+            _SPIES.local.real = self.real  # hooks registered on a stand-in: its parameter's
             yield
         finally:
+            _SPIES.local.real = None
             for m, own, view in reversed(swapped):
                 if m.__dict__.get("_parameters") is view:
                     m.__dict__["_parameters"] = own

@@ -2586,3 +2586,35 @@ def check_sparse_state_runs_eagerly_with_a_reason(how, layout, device="cpu"):
         assert any("sparse" in d for d in s["eager_details"]["unkeyable_argument"])
     finally:
         SPARSE_ADJ = None
+
+
+class Densifies(nn.Module):
+    """Makes its sparse adjacency dense at its first call."""
+
+    def __init__(self, adj):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.adj = adj
+
+    def forward(self, x):
+        if self.adj.is_sparse:
+            self.adj = self.adj.to_dense()
+        return self.adj @ self.lin(x)
+
+
+def check_a_sparse_tensor_made_dense_is_graphed(device="cpu"):
+    """A sparse attribute the call replaces with a dense one: graphed from then on (the
+    calls stayed eager for good, with the sparse tensor's reason)."""
+    idx = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+    adj = torch.sparse_coo_tensor(idx, torch.rand(4), (4, 4)).coalesce().to(device)
+    model = Densifies(adj).to(device)
+    g = autograph.graphed(model)
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 4, device=device)
+            torch.testing.assert_close(g(x), adj.to_dense() @ model.lin(x))
+    assert autograph.stats(g)["replays"] >= 2
+
+
+def test_a_sparse_tensor_made_dense_is_graphed(standin):
+    check_a_sparse_tensor_made_dense_is_graphed()

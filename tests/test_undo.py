@@ -348,3 +348,84 @@ def check_set_ups_of_a_capture_that_fails(device: str):
 
 def test_set_ups_of_a_capture_that_fails(standin):
     check_set_ups_of_a_capture_that_fails("cpu")
+
+
+class HookOnce(nn.Module):
+    """Registers a gradient hook once, behind a flag on the parameter or in a closure."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.where = where
+        done = [False]
+
+        def once(w):
+            if not done[0]:
+                w.register_hook(lambda grad: grad * 2)
+                done[0] = True
+
+        self.once = once
+
+    def forward(self, x):
+        w = self.fc.weight
+        if self.where == "closure":
+            self.once(w)
+        elif not getattr(w, "_hooked", False):
+            w.register_hook(lambda grad: grad * 2)
+            w._hooked = True
+        return self.fc(x)
+
+
+def check_a_hook_registered_on_a_parameter_during_the_capture(device: str):
+    """``warmup=0`` captures the first call over the parameters' stand-ins: a hook the
+    forward registers on a parameter went onto the stand-in (lost for good), and an
+    attribute it set there too. Both reach the parameter; gradients are eager's."""
+    for where in ("parameter", "closure"):
+        torch.manual_seed(0)
+        model = HookOnce(where).to(device)
+        twin = HookOnce(where).to(device)
+        twin.load_state_dict(model.state_dict())
+        g = autograph.graphed(model, warmup=0)
+        for _ in range(5):
+            x = torch.randn(2, 4, device=device)
+            g(x).square().sum().backward()
+            twin(x).square().sum().backward()
+            torch.testing.assert_close(model.fc.weight.grad, twin.fc.weight.grad)
+            model.zero_grad()
+            twin.zero_grad()
+        assert len(model.fc.weight._backward_hooks) == 1, where
+        if where == "closure":
+            assert autograph.stats(g)["backward_replays"] >= 3
+
+
+def test_a_hook_registered_on_a_parameter_during_the_capture(standin):
+    check_a_hook_registered_on_a_parameter_during_the_capture("cpu")
+
+
+class RaisesOnThree(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if x.shape[0] == 3:
+            raise ValueError("three")
+        return self.fc(x)
+
+
+def test_a_users_error_at_capture_keeps_module_attributes(standin):
+    """The user's own error raised at a capture propagates with the attributes the
+    call set before raising, as in eager mode (they were taken back)."""
+    model = RaisesOnThree()
+    twin = copy.deepcopy(model)
+    g = autograph.graphed(model, warmup=0)
+    with torch.no_grad():
+        for n in (2, 3, 3, 2, 2):
+            for m in (g, twin):
+                try:
+                    m(torch.randn(n, 4))
+                except ValueError:
+                    pass
+            assert model.calls == twin.calls

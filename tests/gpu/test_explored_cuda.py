@@ -31,6 +31,7 @@ from ..test_buckets import (
 from ..test_guards import (
     check_a_host_inference_tensor_read_by_a_graph,
     check_a_set_up_at_the_first_call_is_learned_with_warmup_0,
+    check_a_sparse_tensor_made_dense_is_graphed,
     check_a_submodule_built_at_the_first_call_trains_graphed,
     check_an_owners_functions_dicts_and_namespaces_are_guarded,
     check_global_named_like_an_attribute,
@@ -858,3 +859,7 @@ def test_a_submodule_built_at_the_first_call_trains_graphed():
 @pytest.mark.parametrize("how", ["buffer", "attribute", "first call", "global"])
 def test_sparse_state_runs_eagerly_with_a_reason(how, layout):
     check_sparse_state_runs_eagerly_with_a_reason(how, layout, dev)
+
+
+def test_a_sparse_tensor_made_dense_is_graphed():
+    check_a_sparse_tensor_made_dense_is_graphed(dev)

@@ -9,6 +9,7 @@ from ..test_undo import (
     MAKERS,
     _fresh_tables,  # noqa: F401 - the autouse fixture
     check_a_counter_and_a_log_count_once,
+    check_a_hook_registered_on_a_parameter_during_the_capture,
     check_a_table_cached_at_the_first_call,
     check_hooks_registered_at_the_first_call,
     check_set_ups_of_a_capture_that_fails,
@@ -34,3 +35,7 @@ def test_hooks_registered_at_the_first_call():
 
 def test_set_ups_of_a_capture_that_fails():
     check_set_ups_of_a_capture_that_fails("cuda")
+
+
+def test_a_hook_registered_on_a_parameter_during_the_capture():
+    check_a_hook_registered_on_a_parameter_during_the_capture("cuda")

@@ -241,11 +241,6 @@ def _rebindable(value: Any) -> bool:
     return value is not MISSING and not isinstance(value, types.ModuleType)
 
 
-def is_namespace(value: Any) -> bool:
-    """:func:`_namespace`, for the watch."""
-    return _namespace(value)
-
-
 def _namespace(value: Any) -> bool:
     """A user's module or plain object named as a global for the settings it holds
     (``import config; config.SCALE``, a ``SimpleNamespace``, a dataclass instance):
@@ -264,6 +259,9 @@ def _namespace(value: Any) -> bool:
     else:
         return False
     return top not in sys.stdlib_module_names and top not in _LIBRARIES
+
+
+is_namespace = _namespace  # (for the watch)
 
 
 def slotted(value: Any) -> bool:

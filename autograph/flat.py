@@ -153,4 +153,3 @@ def _hashable(context: Any) -> Any:
     except TypeError:
         return repr(context)
     return context
-

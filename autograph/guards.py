@@ -458,16 +458,12 @@ class Watch:
                 return f"{type(module).__name__}.{name}"
         return None
 
-    def assigned_any(self, tensors_only: bool = False) -> bool:
-        """Whether :meth:`undo_assignments` has anything to put back."""
-        return any(not tensors_only or isinstance(notify.current(m, n), torch.Tensor)
-                   for m, n, was in self.assignments if was is not notify.CHANGED)
-
-    def undo_assignments(self, tensors_only: bool = False) -> None:
+    def undo_assignments(self, tensors_only: bool = False) -> bool:
         """Put back what the running call assigned (a capture that failed: its Python
         ran, and what it set, tensors of the pool, must not reach the eager run);
         ``tensors_only``: only where it assigned a tensor (a call that raised, whose
-        other changes stand, as in eager mode)."""
+        other changes stand, as in eager mode).  Whether it put anything back."""
+        put = False
         for module, name, was in reversed(self.assignments):
             if was is notify.CHANGED:
                 continue  # changed in place: what it held is not known
@@ -477,7 +473,9 @@ class Watch:
                 _del_quietly(module, name)
             else:
                 _set_quietly(module, name, was)
+            put = True
         self.forget_assignments()
+        return put
 
     @staticmethod
     def hook_mark() -> int:
@@ -820,6 +818,8 @@ def _module_module() -> Any:
     from torch.nn.modules import module
 
     return module
+
+
 _HOOK_KIND = "_is_full_backward_hook"  # set by nn.Module's backward hook registration
 _FLAG_TYPES = frozenset({bool, str, type(None)})
 MAX_FLAG_VALUES = 8  # values of a flag keyed; past them it drops the graphs per value

@@ -501,8 +501,7 @@ class Undo:
         which propagates with the call's side effects kept, as in eager mode, but the
         tensors it assigned to modules, memory no kernel filled)."""
         watch = self.watch
-        undone = watch.assigned_any(tensors_only=not everything)
-        watch.undo_assignments(tensors_only=not everything)
+        undone = watch.undo_assignments(tensors_only=not everything)
         if everything:
             if containers.held_change(self.held) is not None:
                 containers.restore(self.held)

@@ -249,7 +249,8 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     on_pool = OnPool(backend, backend.private_pool(device))
     # outputs cloned one by one: views of one copy returned by the autograd Function
     # would be views created inside a custom Function (in-place on them raises)
-    undo = lifecycle.Undo(watch, fn)
+    # (made again over the parameters only where there are stand-ins)
+    undo = lifecycle.Undo(watch, fn) if stand.of else None
     try:
         base = lifecycle.capture(forward, flat, on_pool, device, watch, (),  # type: ignore[arg-type]
                                  rng_free=rng_free, aliases=False, records=True)
@@ -266,6 +267,7 @@ def capture(fn: Callable[..., Any], flat: Flat, backend: Backend, device: torch.
     if base is None or inner or stand.grads_set:  # (a backward inside gave the
         # stand-ins the gradients). The first capture's Python ran: what it set up (a
         # tensor cached lazily, filled by no kernel; a hook) is undone first
+        assert undo is not None
         undo()
         return capture(fn, flat, backend, device, watch,
                        inplace, stats, reuse, rng_free, stand_ins=False)
